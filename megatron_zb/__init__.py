@@ -1,0 +1,3 @@
+"""megatron-zb: zero-bubble pipeline parallelism for megatron-core."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,124 @@
+"""Terminal timeline: one row of characters per rank, time running left to right.
+
+The scale is chosen so that every pass can show its full label (the shortest pass decides,
+usually an F or a W), and only shrinks when a ``width`` is given. A column belongs to the pass
+covering the column's midpoint, so rounding never makes two passes overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..schedule.ir import PassKind
+from ..schedule.simulate import PassTime, Timeline
+
+logger = logging.getLogger(__name__)
+
+IDLE = "."
+PAD = "-"  # the columns of a pass after its label
+MAX_COLUMNS = 2000  # without a width, a very short pass could otherwise ask for millions of columns
+LEGEND = (
+    "legend: F3 forward of microbatch 3 | B3 backward (input grad) | W3 backward (weight grad) | BW3 fused B+W",
+    "        lowercase: odd model chunk | - pass continues | . idle | narrow passes: F B W, X = BW",
+)
+
+_SHORT = {PassKind.F: "F", PassKind.B: "B", PassKind.W: "W", PassKind.BW: "X"}
+_ANSI = {PassKind.F: "\x1b[34m", PassKind.B: "\x1b[33m", PassKind.W: "\x1b[32m", PassKind.BW: "\x1b[35m"}
+_RESET = "\x1b[0m"
+_NICE_STEPS = (1, 2, 5)
+
+
+def _label(t: PassTime) -> str:
+    return f"{t.pass_.kind.value}{t.pass_.microbatch}"
+
+
+def _cell_text(t: PassTime, columns: int) -> str:
+    """The label that fits ``columns``, padded; odd chunks in lowercase."""
+    kind = t.pass_.kind
+    text = next((c for c in (_label(t), kind.value, _SHORT[kind]) if len(c) <= columns), "")
+    text = (text + PAD * columns)[:columns]
+    return text.lower() if t.chunk % 2 else text
+
+
+def _scale(timeline: Timeline, span: float, chart_width: int | None) -> float:
+    """Columns per time unit: the widest label over its pass's duration, capped by the width."""
+    needs = [len(_label(t)) / (t.end - t.start) for rank in timeline.ranks for t in rank if t.end > t.start]
+    scale = max(needs, default=1.0)
+    limit = chart_width if chart_width is not None else MAX_COLUMNS
+    if span > 0 and span * scale > limit:
+        logger.debug("text timeline scaled down from %.3g to %.3g columns per time unit", scale, limit / span)
+        scale = limit / span
+    return scale
+
+
+def _column(time: float, scale: float) -> int:
+    """First column whose midpoint is at or after ``time`` (time measured from the origin)."""
+    return math.ceil(round(time * scale - 0.5, 9))
+
+
+def _row(passes: tuple[PassTime, ...], origin: float, scale: float, columns: int, color: bool) -> str:
+    cells = [IDLE] * columns
+    for t in passes:
+        first, last = _column(t.start - origin, scale), min(_column(t.end - origin, scale), columns)
+        if last <= first:
+            continue
+        text = _cell_text(t, last - first)
+        if color:
+            cells[first : last - 1] = text[:-1]
+            cells[last - 1] = text[-1] + _RESET
+            cells[first] = _ANSI[t.pass_.kind] + cells[first]
+        else:
+            cells[first:last] = text
+    return "".join(cells)
+
+
+def _axis(prefix_width: int, origin: float, span: float, scale: float, columns: int) -> str:
+    """Tick labels at round times, at least six columns apart."""
+    step = next(mult * 10**exp for exp in range(-6, 12) for mult in _NICE_STEPS if mult * 10**exp * scale >= 6)
+    line = "time".ljust(prefix_width)
+    for tick in range(int(span / step + 1e-9) + 1):
+        at = prefix_width + _column(tick * step, scale)
+        if at > prefix_width + columns or (tick and at <= len(line)):
+            continue
+        line = line.ljust(at) + f"{origin + tick * step:g}"
+    return line
+
+
+def _num(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _summary(timeline: Timeline, scale: float) -> list[str]:
+    schedule = timeline.schedule
+    peaks = "  ".join(f"rank {r}: {_num(m)}" for r, m in enumerate(timeline.peak_memory))
+    return [
+        f"schedule     {schedule.name}  pp={schedule.pp}  microbatches={schedule.microbatches}  "
+        f"chunks={schedule.chunks}",
+        f"makespan     {_num(timeline.makespan)}  stage span {_num(timeline.stage_span)}",
+        f"bubble rate  {timeline.bubble_rate:.2%} (stage span)  {timeline.bubble_rate_makespan:.2%} (makespan)",
+        f"peak memory  {peaks}",
+        f"scale        1 column = {_num(1 / scale)} time units",
+    ]
+
+
+def render_text(timeline: Timeline, width: int | None = None, color: bool = False) -> str:
+    """The timeline as text; ``width`` caps the whole chart line (rank label and bars included)."""
+    starts = [t.start for rank in timeline.ranks for t in rank]
+    origin = min(starts, default=0.0)
+    span = timeline.makespan
+    digits = len(str(max(len(timeline.ranks) - 1, 0)))
+    prefixes = [f"rank {r:>{digits}} |" for r in range(len(timeline.ranks))]
+    prefix_width = len(prefixes[0]) if prefixes else 0
+    chart_width = None if width is None else max(width - prefix_width - 1, 1)
+    scale = _scale(timeline, span, chart_width)
+    columns = math.ceil(round(span * scale, 9))
+    lines = [
+        prefix + _row(passes, origin, scale, columns, color) + "|"
+        for prefix, passes in zip(prefixes, timeline.ranks, strict=True)
+    ]
+    lines.append(_axis(prefix_width, origin, span, scale, columns))
+    lines.extend(LEGEND)
+    lines.append("")
+    lines.extend(_summary(timeline, scale))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""The schedule core: IR, generators, validator, simulator. Pure Python, never imports torch."""

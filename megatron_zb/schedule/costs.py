@@ -1,0 +1,92 @@
+"""Per-stage pass costs and memory deltas, in the units every tool of the project shares.
+
+Times and memory are given per full stage (1/pp of the layers) whatever the placement: a
+block holding 1/chunks of a stage costs 1/chunks of it. Memory is counted in one
+microbatch's activations of a full stage. T_comm is a latency per cross-rank edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .ir import Pass, PassKind, ScheduleError
+from .placement import Placement
+
+PerStage = tuple[float, ...]
+
+FLAGS = {
+    "t_f": "--cost-f",
+    "t_b": "--cost-b",
+    "t_w": "--cost-w",
+    "t_comm": "--cost-comm",
+    "mem_f": "--mem-f",
+    "mem_b": "--mem-b",
+    "mem_w": "--mem-w",
+}
+
+
+def _name(field_name: str) -> str:
+    return f"{field_name} ({FLAGS[field_name]})"
+
+
+def _per_stage(name: str, values: float | Sequence[float], pp: int) -> PerStage:
+    if isinstance(values, (int, float)):
+        return (float(values),) * pp
+    values = tuple(float(v) for v in values)
+    if len(values) == 1:
+        return values * pp
+    if len(values) != pp:
+        raise ScheduleError(f"{_name(name)} has {len(values)} values; give one number or one per stage (pp={pp})")
+    return values
+
+
+@dataclass(frozen=True)
+class CostModel:
+    pp: int
+    t_f: PerStage = field(default=(1.0,))
+    t_b: PerStage = field(default=(1.0,))
+    t_w: PerStage = field(default=(1.0,))
+    t_comm: float = 0.0
+    mem_f: PerStage = field(default=(1.0,))
+    mem_b: PerStage = field(default=(-0.5,))
+    mem_w: PerStage = field(default=(-0.5,))
+
+    def __post_init__(self) -> None:
+        for name in ("t_f", "t_b", "t_w", "mem_f", "mem_b", "mem_w"):
+            object.__setattr__(self, name, _per_stage(name, getattr(self, name), self.pp))
+        for name in ("t_f", "t_b", "t_w"):
+            if any(v < 0 for v in getattr(self, name)):
+                raise ScheduleError(f"{_name(name)} must not be negative: {getattr(self, name)}")
+        if self.t_comm < 0:
+            raise ScheduleError(f"{_name('t_comm')} must not be negative, got {self.t_comm}")
+        for stage in range(self.pp):
+            total = self.mem_f[stage] + self.mem_b[stage] + self.mem_w[stage]
+            if abs(total) > 1e-9:
+                raise ScheduleError(
+                    f"stage {stage}: mem_f + mem_b + mem_w (--mem-f/--mem-b/--mem-w) = {total:g}, must be 0 "
+                    f"(B and W free what F allocated; e.g. mem_f=1, mem_b=-0.5, mem_w=-0.5)"
+                )
+
+    def duration(self, p: Pass, placement: Placement) -> float:
+        stage = placement.full_stage(p.stage)
+        per_stage = {
+            PassKind.F: self.t_f[stage],
+            PassKind.B: self.t_b[stage],
+            PassKind.W: self.t_w[stage],
+            PassKind.BW: self.t_b[stage] + self.t_w[stage],
+        }[p.kind]
+        return per_stage / placement.chunks
+
+    def memory_delta(self, p: Pass, placement: Placement) -> float:
+        stage = placement.full_stage(p.stage)
+        per_stage = {
+            PassKind.F: self.mem_f[stage],
+            PassKind.B: self.mem_b[stage],
+            PassKind.W: self.mem_w[stage],
+            PassKind.BW: -self.mem_f[stage],
+        }[p.kind]
+        return per_stage / placement.chunks
+
+    def work_per_microbatch(self, stage: int) -> float:
+        return self.t_f[stage] + self.t_b[stage] + self.t_w[stage]

@@ -1,0 +1,103 @@
+"""Registry of schedule generators: a name, a one-line summary and ``generate(spec)``.
+
+Generators emit compute passes only; ``build`` validates what they return, so no schedule
+reaches the simulator or the runtime unchecked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from .costs import CostModel
+from .ir import Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a generator is asked for. Costs and the memory limit use the CostModel's units."""
+
+    pp: int
+    microbatches: int
+    chunks: int | None = None  # None: the generator's default
+    costs: CostModel | None = None
+    memory_limit: float | None = None  # per rank; None: unlimited
+
+    def cost_model(self) -> CostModel:
+        return self.costs or CostModel(self.pp)
+
+
+@dataclass(frozen=True)
+class Generator:
+    name: str
+    summary: str
+    generate: Callable[[ScheduleSpec], Schedule] = field(compare=False)
+
+
+_GENERATORS: dict[str, Generator] = {}
+
+
+def register(name: str, summary: str) -> Callable[[Callable[[ScheduleSpec], Schedule]], Callable]:
+    def wrap(generate: Callable[[ScheduleSpec], Schedule]) -> Callable[[ScheduleSpec], Schedule]:
+        if name in _GENERATORS:
+            raise ValueError(f"schedule {name!r} is registered twice")
+        _GENERATORS[name] = Generator(name, summary, generate)
+        return generate
+
+    return wrap
+
+
+def _load() -> None:
+    from . import generators  # noqa: F401  (registers the built-in generators)
+
+
+def names() -> list[str]:
+    _load()
+    return sorted(_GENERATORS)
+
+
+def get(name: str) -> Generator:
+    _load()
+    if name not in _GENERATORS:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(names())}")
+    return _GENERATORS[name]
+
+
+def build(name: str, spec: ScheduleSpec) -> Schedule:
+    """Generate and validate; raises ScheduleError naming the setting that cannot work."""
+    from .validate import check
+
+    if spec.pp < 1:
+        raise ScheduleError(f"pp must be at least 1, got {spec.pp}")
+    if spec.microbatches < 1:
+        raise ScheduleError(f"microbatches must be at least 1, got {spec.microbatches}")
+    schedule = get(name).generate(spec)
+    costs = spec.cost_model()
+    check(schedule, costs)
+    if spec.memory_limit is not None:
+        peak = peak_memory(schedule, costs)
+        if peak > spec.memory_limit + 1e-9:
+            fits = ", ".join(f"{other} ({need:g})" for other, need in _peaks(spec) if need <= spec.memory_limit + 1e-9)
+            raise ScheduleError(
+                f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
+                f"got {spec.memory_limit:g}; schedules that fit: {fits or 'none'}"
+            )
+    return schedule
+
+
+def peak_memory(schedule: Schedule, costs: CostModel) -> float:
+    from .simulate import memory_levels
+
+    return max(max((0.0, *levels)) for levels in memory_levels(schedule, costs))
+
+
+def _peaks(spec: ScheduleSpec) -> list[tuple[str, float]]:
+    """Peak memory of every schedule that can run ``spec`` without a limit."""
+    unlimited = replace(spec, memory_limit=None, chunks=None)
+    found = []
+    for other in names():
+        try:
+            found.append((other, peak_memory(build(other, unlimited), unlimited.cost_model())))
+        except ScheduleError:
+            continue
+    return found

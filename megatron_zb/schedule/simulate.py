@@ -1,0 +1,122 @@
+"""Timing and memory simulator: when every pass runs, and what it costs in bubbles and memory.
+
+Both bubble metrics are reported. Stage-span bubble measures each rank from its first to
+its last pass (iterations may overlap across ranks, as with optimizer post-validation);
+makespan bubble measures from the first pass anywhere to the last one (a synchronizing
+optimizer step ends every iteration). Either is the idle fraction of rank-time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from .costs import CostModel
+from .execute import execute
+from .ir import Pass, Schedule
+
+
+@dataclass(frozen=True)
+class PassTime:
+    pass_: Pass
+    rank: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    schedule: Schedule
+    costs: CostModel
+    ranks: tuple[tuple[PassTime, ...], ...]
+    memory: tuple[tuple[float, ...], ...]  # level after each pass, per rank, in order
+
+    @property
+    def peak_memory(self) -> tuple[float, ...]:
+        return tuple(max((0.0, *levels)) for levels in self.memory)
+
+    @property
+    def work(self) -> tuple[float, ...]:
+        return tuple(sum(t.end - t.start for t in rank) for rank in self.ranks)
+
+    @property
+    def makespan(self) -> float:
+        ends = [t.end for rank in self.ranks for t in rank]
+        starts = [t.start for rank in self.ranks for t in rank]
+        return max(ends, default=0.0) - min(starts, default=0.0)
+
+    def rank_span(self, rank: int) -> float:
+        passes = self.ranks[rank]
+        return passes[-1].end - passes[0].start if passes else 0.0
+
+    @property
+    def stage_span(self) -> float:
+        return max(self.rank_span(r) for r in range(len(self.ranks)))
+
+    def _bubble(self, span: float) -> float:
+        capacity = span * len(self.ranks)
+        return (capacity - sum(self.work)) / capacity if capacity else 0.0
+
+    @property
+    def bubble_rate(self) -> float:
+        """Stage-span bubble: idle fraction of rank-time within the longest rank span."""
+        return self._bubble(self.stage_span)
+
+    @property
+    def bubble_rate_makespan(self) -> float:
+        return self._bubble(self.makespan)
+
+    def to_dict(self) -> dict:
+        """The object ``megatron-zb plan --format json`` prints."""
+        schedule = self.schedule
+        return {
+            "schedule": schedule.name,
+            "pp": schedule.pp,
+            "microbatches": schedule.microbatches,
+            "chunks": schedule.chunks,
+            "placement": [placement.kind for placement in schedule.placements],
+            "makespan": self.makespan,
+            "stage_span": self.stage_span,
+            "bubble_rate": self.bubble_rate,
+            "bubble_rate_makespan": self.bubble_rate_makespan,
+            "peak_memory": list(self.peak_memory),
+            "ranks": [
+                [
+                    {
+                        "pass": t.pass_.kind.value,
+                        "stage": t.pass_.stage,
+                        "chunk": t.chunk,
+                        "microbatch": t.pass_.microbatch,
+                        **({"pipe": t.pass_.pipe} if t.pass_.pipe else {}),
+                        "start": t.start,
+                        "end": t.end,
+                    }
+                    for t in rank
+                ]
+                for rank in self.ranks
+            ],
+        }
+
+
+def memory_levels(schedule: Schedule, costs: CostModel) -> tuple[tuple[float, ...], ...]:
+    """Activation memory after each pass, per rank; timing does not change it, order does."""
+    return tuple(
+        tuple(accumulate(costs.memory_delta(p, schedule.placements[p.pipe]) for p in order))
+        for order in schedule.orders
+    )
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
+    costs = costs or CostModel(schedule.pp)
+    if costs.pp != schedule.pp:
+        raise ValueError(f"cost model is for pp={costs.pp}, schedule {schedule.name} has pp={schedule.pp}")
+    spans = execute(schedule, lambda p: costs.duration(p, schedule.placements[p.pipe]), costs.t_comm)
+    ranks = tuple(
+        tuple(
+            PassTime(p, rank, schedule.chunk_of(p), span.start, span.end)
+            for p, span in zip(schedule.orders[rank], rank_spans, strict=True)
+        )
+        for rank, rank_spans in enumerate(spans)
+    )
+    return Timeline(schedule, costs, ranks, memory_levels(schedule, costs))

@@ -1,0 +1,140 @@
+"""Validator: every pass exactly once, on its rank, after its inputs, without deadlock,
+within the memory limit. Each issue names the rank, the pass, its microbatch and the rule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .costs import CostModel
+from .deps import Role, inputs, roles
+from .execute import DeadlockError, execute
+from .ir import Pass, Schedule, ScheduleError
+from .simulate import memory_levels
+
+MEMORY_TOLERANCE = 1e-9
+MAX_REPORTED = 12
+
+
+@dataclass(frozen=True)
+class Issue:
+    rule: str  # placement | range | once | missing | order | deadlock | memory
+    message: str
+    rank: int | None = None
+    pass_: Pass | None = None
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+def validate(schedule: Schedule, costs: CostModel | None = None, memory_limit: float | None = None) -> list[Issue]:
+    issues = _placement_issues(schedule)
+    if not issues:
+        issues = _coverage_issues(schedule) + _order_issues(schedule)
+    if not issues:
+        try:
+            execute(schedule, lambda p: 0.0)
+        except DeadlockError as error:
+            issues.append(Issue("deadlock", str(error), rank=min(error.waits), pass_=error.waits[min(error.waits)][0]))
+    if memory_limit is not None and not any(i.rule in ("placement", "range") for i in issues):
+        issues += _memory_issues(schedule, costs or CostModel(schedule.pp), memory_limit)
+    return issues
+
+
+def check(schedule: Schedule, costs: CostModel | None = None, memory_limit: float | None = None) -> None:
+    """Raise ScheduleError listing the issues, if any."""
+    issues = validate(schedule, costs, memory_limit)
+    if issues:
+        shown = [f"  {issue}" for issue in issues[:MAX_REPORTED]]
+        if len(issues) > MAX_REPORTED:
+            shown.append(f"  ... and {len(issues) - MAX_REPORTED} more")
+        head = f"schedule {schedule.name} (pp={schedule.pp}, microbatches={schedule.microbatches}) is invalid:"
+        raise ScheduleError("\n".join([head, *shown]))
+
+
+def _placement_issues(schedule: Schedule) -> list[Issue]:
+    issues = []
+    for rank, order in enumerate(schedule.orders):
+        for p in order:
+            if not 0 <= p.pipe < len(schedule.placements):
+                issues.append(Issue("range", f"rank {rank} runs {p}: no pipe {p.pipe}", rank, p))
+            elif not 0 <= p.stage < schedule.num_stages(p.pipe):
+                issues.append(Issue("range", f"rank {rank} runs {p}: no stage {p.stage}", rank, p))
+            elif not 0 <= p.microbatch < schedule.microbatches:
+                issues.append(
+                    Issue("range", f"rank {rank} runs {p}: microbatch outside 0..{schedule.microbatches - 1}", rank, p)
+                )
+            elif schedule.rank_of(p) != rank:
+                issues.append(
+                    Issue(
+                        "placement",
+                        f"rank {rank} runs {p}, but the placement puts stage {p.stage} on rank {schedule.rank_of(p)}",
+                        rank,
+                        p,
+                    )
+                )
+    return issues
+
+
+def _coverage_issues(schedule: Schedule) -> list[Issue]:
+    issues = []
+    count: Counter[Role] = Counter()
+    pipe_of: dict[int, int] = {}
+    for rank, order in enumerate(schedule.orders):
+        for p in order:
+            count.update(roles(p))
+            if pipe_of.setdefault(p.microbatch, p.pipe) != p.pipe:
+                message = f"microbatch {p.microbatch} runs on pipes {pipe_of[p.microbatch]} and {p.pipe}"
+                issues.append(Issue("once", message, rank, p))
+    for mb in range(schedule.microbatches):
+        pipe = pipe_of.get(mb, 0)
+        for stage in range(schedule.num_stages(pipe)):
+            rank = schedule.placements[pipe].rank_of(stage)
+            for kind in "FBW":
+                role = Role(kind, pipe, stage, mb)
+                if count[role] == 0:
+                    issues.append(Issue("missing", f"missing {role}: rank {rank} never runs it", rank))
+                elif count[role] > 1:
+                    issues.append(Issue("once", f"rank {rank} runs {role} {count[role]} times", rank))
+    return issues
+
+
+def _order_issues(schedule: Schedule) -> list[Issue]:
+    issues = []
+    for rank, order in enumerate(schedule.orders):
+        position: dict[Role, int] = {}
+        for i, p in enumerate(order):
+            for role in roles(p):
+                position.setdefault(role, i)
+        for i, p in enumerate(order):
+            for role in inputs(p, schedule.num_stages(p.pipe)):
+                if position.get(role, -1) > i:
+                    issues.append(
+                        Issue(
+                            "order",
+                            f"rank {rank} runs {p} (pass {i}) before its input {role} (pass {position[role]})",
+                            rank,
+                            p,
+                        )
+                    )
+    return issues
+
+
+def _memory_issues(schedule: Schedule, costs: CostModel, limit: float) -> list[Issue]:
+    issues = []
+    for rank, levels in enumerate(memory_levels(schedule, costs)):
+        for i, level in enumerate(levels):
+            if level > limit + MEMORY_TOLERANCE:
+                p = schedule.orders[rank][i]
+                issues.append(
+                    Issue(
+                        "memory",
+                        f"rank {rank} holds {level:g} microbatch-stages of activations after {p} (pass {i}), "
+                        f"over the memory limit {limit:g}; this rank peaks at {max(levels):g}",
+                        rank,
+                        p,
+                    )
+                )
+                break
+    return issues

@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-zb",
+    version="0.1.0",
+    description="Zero-bubble pipeline parallelism for NVIDIA megatron-core, as a plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_zb", "megatron_zb.*"]),
+    # The schedule core, the simulator and the CLI are pure Python. Only the runtime needs
+    # torch and megatron-core: install torch first (e.g. torch==2.13.0 for the CPU build),
+    # so that this range is already satisfied and pip fetches no CUDA wheels.
+    install_requires=[],
+    extras_require={
+        "runtime": ["torch>=2.1", "megatron-core>=0.16.1"],
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.4"],
+    },
+    entry_points={"console_scripts": ["megatron-zb = megatron_zb.cli:main"]},
+)
