@@ -22,12 +22,11 @@ class Role(NamedTuple):
         return f"{self.kind} s{self.stage} mb{self.microbatch}{suffix}"
 
 
-_ROLES = {PassKind.F: ("F",), PassKind.B: ("B",), PassKind.W: ("W",), PassKind.BW: ("B", "W")}
-
-
 def roles(p: Pass) -> tuple[Role, ...]:
     """The roles a pass fulfils."""
-    return tuple(Role(kind, p.pipe, p.stage, p.microbatch) for kind in _ROLES[p.kind])
+    if p.kind is PassKind.BW:
+        return Role("B", p.pipe, p.stage, p.microbatch), Role("W", p.pipe, p.stage, p.microbatch)
+    return (Role(p.kind.value, p.pipe, p.stage, p.microbatch),)
 
 
 def inputs(p: Pass, num_stages: int) -> tuple[Role, ...]:

@@ -47,13 +47,14 @@ def execute(
     spans: list[list[Span]] = [[] for _ in orders]
     free = [0.0] * len(orders)
     runnable = list(range(len(orders)))
+    stages = [placement.num_stages for placement in schedule.placements]
     while runnable:
         rank = runnable.pop()
         order = orders[rank]
         while len(spans[rank]) < len(order):
             p = order[len(spans[rank])]
             start, blocked = free[rank], None
-            for role in inputs(p, schedule.num_stages(p.pipe)):
+            for role in inputs(p, stages[p.pipe]):
                 done = finished.get(role)
                 if done is None:
                     blocked = role

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Quickstart, main job: install the package and plan a schedule on this CPU.
+source "$(dirname "$0")/_venv.sh"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+.venv/bin/megatron-zb list
+for schedule in 1f1b zb-h1 zb-h2; do
+  .venv/bin/megatron-zb plan --schedule "$schedule" --pp 4 --microbatches 8 "$@"
+  echo
+done
+mkdir -p out
+.venv/bin/megatron-zb plan --schedule zb-h2 --pp 4 --microbatches 8 --format html -o out/zb-h2.html
+.venv/bin/megatron-zb plan --schedule zb-h2 --pp 4 --microbatches 8 --format chrome-trace -o out/zb-h2.trace.json
+echo "wrote out/zb-h2.html (open in a browser) and out/zb-h2.trace.json (open in ui.perfetto.dev or chrome://tracing)"

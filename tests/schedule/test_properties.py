@@ -1,0 +1,65 @@
+"""Every generator's output passes the validator for all pp <= 16, m <= 64 (hypothesis),
+and settings a generator cannot run are refused with a message naming them."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_zb.schedule.ir import ScheduleError
+from megatron_zb.schedule.registry import ScheduleSpec, build, names
+from megatron_zb.schedule.simulate import simulate
+from megatron_zb.schedule.validate import validate
+
+# (accepts(p, m, chunks), peak memory bound in stages, the refusal message for the rest)
+RULES = {
+    "1f1b": (lambda p, m, v: v == 1, lambda p, m, v: min(p, m), "runs one chunk per rank"),
+    "zb-h1": (lambda p, m, v: v == 1, lambda p, m, v: min(p, m), "runs one chunk per rank"),
+    "zb-h2": (lambda p, m, v: v == 1, lambda p, m, v: min(2 * p - 1, m), "runs one chunk per rank"),
+    "interleaved-1f1b": (
+        lambda p, m, v: v >= 2 and (m <= p or m % p == 0),
+        lambda p, m, v: min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v,
+        "needs",
+    ),
+}
+
+
+def test_every_registered_schedule_has_a_rule():
+    assert sorted(RULES) == names()
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+@settings(max_examples=120, deadline=None)
+@given(p=st.integers(1, 16), m=st.integers(1, 64), v=st.integers(1, 4))
+def test_generated_schedules_are_valid_or_refused(name, p, m, v):
+    accepts, peak_bound, refusal = RULES[name]
+    spec = ScheduleSpec(p, m, v)
+    if not accepts(p, m, v):
+        with pytest.raises(ScheduleError, match=refusal):
+            build(name, spec)
+        return
+    schedule = build(name, spec)
+    assert validate(schedule) == []
+    assert sum(len(order) for order in schedule.orders) == m * schedule.num_stages() * (
+        2 if name in ("1f1b", "interleaved-1f1b") else 3
+    )
+    timeline = simulate(schedule)
+    assert max(timeline.peak_memory) <= peak_bound(p, m, v) + 1e-9
+    assert 0 <= timeline.bubble_rate <= timeline.bubble_rate_makespan < 1
+
+
+def test_interleaved_refusal_says_what_would_work():
+    with pytest.raises(ScheduleError) as error:
+        build("interleaved-1f1b", ScheduleSpec(4, 10, 2))
+    assert str(error.value) == (
+        "interleaved-1f1b needs microbatches to be a multiple of pp=4 (or at most pp), got 10: "
+        "a short last group makes its warm-up deadlock; use 8 or 12, or 1f1b/zb-h1/zb-h2"
+    )
+    with pytest.raises(ScheduleError, match="needs --chunks >= 2, got 1; with one chunk use 1f1b"):
+        build("interleaved-1f1b", ScheduleSpec(4, 8, 1))
+
+
+def test_unknown_schedule_and_bad_sizes():
+    with pytest.raises(ScheduleError, match=f"unknown schedule .zb-h3.; known: {', '.join(names())}"):
+        build("zb-h3", ScheduleSpec(4, 8))
+    with pytest.raises(ScheduleError, match="microbatches must be at least 1, got 0"):
+        build("1f1b", ScheduleSpec(4, 0))
