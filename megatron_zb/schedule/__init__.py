@@ -1,1 +1,26 @@
 """The schedule core: IR, generators, validator, simulator. Pure Python, never imports torch."""
+
+from .comm import messages, program
+from .costs import CostModel
+from .ir import Pass, PassKind, Schedule, ScheduleError
+from .registry import ScheduleSpec, build, names, register
+from .simulate import Timeline, simulate
+from .validate import check, validate
+
+__all__ = [
+    "CostModel",
+    "Pass",
+    "PassKind",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleSpec",
+    "Timeline",
+    "build",
+    "check",
+    "messages",
+    "names",
+    "program",
+    "register",
+    "simulate",
+    "validate",
+]

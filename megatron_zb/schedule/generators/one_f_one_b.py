@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from ..ir import BW, F, Schedule
-from ..placement import linear
+from ..ir import BW, F, Pass, Schedule
 from ..registry import ScheduleSpec, register
-from .common import single_chunk
+from .common import linear_schedule
+
+
+def rank_order(rank: int, p: int, m: int) -> list[Pass]:
+    warmup = min(p - 1 - rank, m)
+    order = [F(rank, mb) for mb in range(warmup)]
+    for steady in range(m - warmup):
+        order += [F(rank, warmup + steady), BW(rank, steady)]
+    return order + [BW(rank, mb) for mb in range(m - warmup, m)]
 
 
 @register("1f1b", "Megatron's default: F and fused BW alternate; peak pp microbatches on rank 0")
 def generate(spec: ScheduleSpec) -> Schedule:
-    single_chunk(spec, "1f1b", "use interleaved-1f1b for several chunks per rank")
-    p, m = spec.pp, spec.microbatches
-    orders = []
-    for rank in range(p):
-        warmup = min(p - 1 - rank, m)
-        order = [F(rank, mb) for mb in range(warmup)]
-        for steady in range(m - warmup):
-            order += [F(rank, warmup + steady), BW(rank, steady)]
-        order += [BW(rank, mb) for mb in range(m - warmup, m)]
-        orders.append(tuple(order))
-    return Schedule("1f1b", (linear(p),), m, tuple(orders))
+    return linear_schedule("1f1b", spec, rank_order)

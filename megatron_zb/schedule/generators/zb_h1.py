@@ -6,27 +6,25 @@ rank 0 sooner, which cuts the bubble to (pp-1)(T_F+T_B-T_W).
 
 from __future__ import annotations
 
-from ..ir import B, F, Schedule
-from ..placement import linear
+from ..ir import B, F, Pass, Schedule
 from ..registry import ScheduleSpec, register
-from .common import PendingW, single_chunk
+from .common import PendingW, linear_schedule
+
+
+def rank_order(rank: int, p: int, m: int) -> list[Pass]:
+    warmup = min(p - 1 - rank, m)
+    pending = PendingW(rank)
+    order = [F(rank, mb) for mb in range(warmup)]
+    for mb in range(m):
+        if warmup + mb < m:
+            order.append(F(rank, warmup + mb))
+        order.append(B(rank, mb))
+        pending.defer(mb)
+        if len(pending) > rank:
+            order.append(pending.pop())
+    return order + pending.flush()
 
 
 @register("zb-h1", "zero bubble H1: split backward, same memory as 1f1b, about a third of its bubble")
 def generate(spec: ScheduleSpec) -> Schedule:
-    single_chunk(spec, "zb-h1", "the V-shape schedules use two chunks per rank")
-    p, m = spec.pp, spec.microbatches
-    orders = []
-    for rank in range(p):
-        warmup = min(p - 1 - rank, m)
-        pending = PendingW(rank)
-        order = [F(rank, mb) for mb in range(warmup)]
-        for mb in range(m):
-            if warmup + mb < m:
-                order.append(F(rank, warmup + mb))
-            order.append(B(rank, mb))
-            pending.defer(mb)
-            if len(pending) > rank:
-                order.append(pending.pop())
-        orders.append(tuple(order + pending.flush()))
-    return Schedule("zb-h1", (linear(p),), m, tuple(orders))
+    return linear_schedule("zb-h1", spec, rank_order)

@@ -9,27 +9,25 @@ bound for any schedule with unit costs.
 
 from __future__ import annotations
 
-from ..ir import B, F, Schedule
-from ..placement import linear
+from ..ir import B, F, Pass, Schedule
 from ..registry import ScheduleSpec, register
-from .common import PendingW, single_chunk
+from .common import PendingW, linear_schedule
+
+
+def rank_order(rank: int, p: int, m: int) -> list[Pass]:
+    warmup = min(2 * (p - rank) - 1, m)
+    pending, keep = PendingW(rank), min(2 * rank, max(0, m - p + rank))
+    order = [F(rank, mb) for mb in range(warmup)]
+    for mb in range(m):
+        order.append(B(rank, mb))
+        pending.defer(mb)
+        if len(pending) > keep:
+            order.append(pending.pop())
+        if warmup + mb < m:
+            order.append(F(rank, warmup + mb))
+    return order + pending.flush()
 
 
 @register("zb-h2", "zero bubble H2: split backward, zero bubble for m >= 2pp-1, peak 2pp-1 microbatches")
 def generate(spec: ScheduleSpec) -> Schedule:
-    single_chunk(spec, "zb-h2", "the V-shape schedules use two chunks per rank")
-    p, m = spec.pp, spec.microbatches
-    orders = []
-    for rank in range(p):
-        warmup = min(2 * (p - rank) - 1, m)
-        pending, keep = PendingW(rank), min(2 * rank, max(0, m - p + rank))
-        order = [F(rank, mb) for mb in range(warmup)]
-        for mb in range(m):
-            order.append(B(rank, mb))
-            pending.defer(mb)
-            if len(pending) > keep:
-                order.append(pending.pop())
-            if warmup + mb < m:
-                order.append(F(rank, warmup + mb))
-        orders.append(tuple(order + pending.flush()))
-    return Schedule("zb-h2", (linear(p),), m, tuple(orders))
+    return linear_schedule("zb-h2", spec, rank_order)
