@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
+from .simulate import memory_levels
+from .validate import check
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,12 @@ def get(name: str) -> Generator:
 
 def build(name: str, spec: ScheduleSpec) -> Schedule:
     """Generate and validate; raises ScheduleError naming the setting that cannot work."""
-    from .validate import check
-
     if spec.pp < 1:
         raise ScheduleError(f"pp must be at least 1, got {spec.pp}")
     if spec.microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {spec.microbatches}")
+    if spec.costs is not None and spec.costs.pp != spec.pp:
+        raise ScheduleError(f"the cost model is for pp={spec.costs.pp}, the schedule for pp={spec.pp}")
     schedule = get(name).generate(spec)
     costs = spec.cost_model()
     check(schedule, costs)
@@ -86,8 +88,6 @@ def build(name: str, spec: ScheduleSpec) -> Schedule:
 
 
 def peak_memory(schedule: Schedule, costs: CostModel) -> float:
-    from .simulate import memory_levels
-
     return max(max((0.0, *levels)) for levels in memory_levels(schedule, costs))
 
 
