@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .deps import inputs, roles
+from .deps import inputs
+from .execute import producers
 from .ir import Pass, Schedule
 
 
@@ -54,11 +55,7 @@ class CommStep:
 
 def messages(schedule: Schedule) -> tuple[Message, ...]:
     """Every cross-rank transfer, in the order the senders issue them (rank by rank)."""
-    producer: dict = {}
-    for rank, order in enumerate(schedule.orders):
-        for p in order:
-            for role in roles(p):
-                producer[role] = (rank, p)
+    producer = producers(schedule)
     found = []
     for dst, order in enumerate(schedule.orders):
         for consumer in order:

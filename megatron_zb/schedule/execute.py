@@ -30,9 +30,9 @@ class Span:
     end: float
 
 
-def producers(schedule: Schedule) -> dict[Role, int]:
-    """Which rank fulfils each role (the last one wins if a schedule repeats a pass)."""
-    return {role: rank for rank, order in enumerate(schedule.orders) for p in order for role in roles(p)}
+def producers(schedule: Schedule) -> dict[Role, tuple[int, Pass]]:
+    """Which rank and pass fulfil each role (the last one wins if a schedule repeats a pass)."""
+    return {role: (rank, p) for rank, order in enumerate(schedule.orders) for p in order for role in roles(p)}
 
 
 def execute(
@@ -80,7 +80,7 @@ def _deadlock(schedule: Schedule, spans: list[list[Span]], waiting: dict[Role, l
     lines = []
     for rank in sorted(waits):
         p, role = waits[rank]
-        source = f"rank {where[role]}" if role in where else "no rank runs it"
+        source = f"rank {where[role][0]}" if role in where else "no rank runs it"
         lines.append(f"  rank {rank} waits at pass {len(spans[rank])} ({p}) for {role} ({source})")
     cycle = _cycle(waits, where)
     if len(cycle) == 2:
@@ -92,12 +92,12 @@ def _deadlock(schedule: Schedule, spans: list[list[Span]], waiting: dict[Role, l
     return DeadlockError(head + "\n" + "\n".join(lines), waits)
 
 
-def _cycle(waits: dict[int, tuple[Pass, Role]], where: dict[Role, int]) -> list[int]:
+def _cycle(waits: dict[int, tuple[Pass, Role]], where: dict[Role, tuple[int, Pass]]) -> list[int]:
     for first in sorted(waits):
         path, rank = [], first
         while rank in waits and rank not in path:
             path.append(rank)
-            rank = where.get(waits[rank][1], -1)
+            rank = where.get(waits[rank][1], (-1, None))[0]
         if rank in path:
             return path[path.index(rank) :] + [rank]
     return []
