@@ -24,6 +24,7 @@ class ScheduleSpec:
     chunks: int | None = None  # None: the generator's default
     costs: CostModel | None = None
     memory_limit: float | None = None  # per rank; None: unlimited
+    refine_seconds: float = 0.0  # automatic schedules: time for the optional solver refinement
 
     def cost_model(self) -> CostModel:
         return self.costs or CostModel(self.pp)
@@ -34,16 +35,19 @@ class Generator:
     name: str
     summary: str
     generate: Callable[[ScheduleSpec], Schedule] = field(compare=False)
+    composite: bool = False  # picks among the other schedules (``auto``); skipped when listing alternatives
 
 
 _GENERATORS: dict[str, Generator] = {}
 
 
-def register(name: str, summary: str) -> Callable[[Callable[[ScheduleSpec], Schedule]], Callable]:
+def register(
+    name: str, summary: str, composite: bool = False
+) -> Callable[[Callable[[ScheduleSpec], Schedule]], Callable]:
     def wrap(generate: Callable[[ScheduleSpec], Schedule]) -> Callable[[ScheduleSpec], Schedule]:
         if name in _GENERATORS:
             raise ValueError(f"schedule {name!r} is registered twice")
-        _GENERATORS[name] = Generator(name, summary, generate)
+        _GENERATORS[name] = Generator(name, summary, generate, composite)
         return generate
 
     return wrap
@@ -96,6 +100,8 @@ def _peaks(spec: ScheduleSpec) -> list[tuple[str, float]]:
     unlimited = replace(spec, memory_limit=None, chunks=None)
     found = []
     for other in names():
+        if get(other).composite:
+            continue
         try:
             found.append((other, peak_memory(build(other, unlimited), unlimited.cost_model())))
         except ScheduleError:
