@@ -69,8 +69,11 @@ def get(name: str) -> Generator:
     return _GENERATORS[name]
 
 
-def build(name: str, spec: ScheduleSpec) -> Schedule:
-    """Generate and validate; raises ScheduleError naming the setting that cannot work."""
+def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
+    """Generate and validate; raises ScheduleError naming the setting that cannot work.
+
+    A memory refusal lists the schedules that fit (``suggest``), which builds all of them.
+    """
     if spec.pp < 1:
         raise ScheduleError(f"pp must be at least 1, got {spec.pp}")
     if spec.microbatches < 1:
@@ -83,11 +86,14 @@ def build(name: str, spec: ScheduleSpec) -> Schedule:
     if spec.memory_limit is not None:
         peak = peak_memory(schedule, costs)
         if peak > spec.memory_limit + 1e-9:
-            fits = ", ".join(f"{other} ({need:g})" for other, need in _peaks(spec) if need <= spec.memory_limit + 1e-9)
-            raise ScheduleError(
+            message = (
                 f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
-                f"got {spec.memory_limit:g}; schedules that fit: {fits or 'none'}"
+                f"got {spec.memory_limit:g}"
             )
+            if suggest:
+                fits = [f"{other} ({need:g})" for other, need in _peaks(spec) if need <= spec.memory_limit + 1e-9]
+                message += f"; schedules that fit: {', '.join(fits) or 'none'}"
+            raise ScheduleError(message)
     return schedule
 
 

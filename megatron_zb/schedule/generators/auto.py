@@ -1,0 +1,40 @@
+"""``auto``: the best schedule of every family that fits the memory limit.
+
+Best means the shortest stage span (the steady-state cost with post-validation), then the
+shortest makespan, then the lowest peak memory. Families that cannot run the setting
+(chunks, microbatch counts, the limit) are skipped; if none fits, the error lists what each
+needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir import Schedule, ScheduleError
+from ..registry import ScheduleSpec, build, get, names, register
+from ..simulate import simulate
+from .search import score
+
+
+@register("auto", "the best schedule of all families under --memory-limit (by stage-span bubble)", composite=True)
+def generate(spec: ScheduleSpec) -> Schedule:
+    costs = spec.cost_model()
+    best, best_score, refusals = None, None, []
+    for name in names():
+        if get(name).composite:
+            continue
+        try:
+            schedule = build(name, replace(spec, refine_seconds=0.0), suggest=False)
+        except ScheduleError as error:
+            refusals.append(f"  {name}: {str(error).splitlines()[0]}")
+            continue
+        candidate = score(simulate(schedule, costs))
+        if best_score is None or candidate < best_score:
+            best, best_score = schedule, candidate
+    if best is None:
+        raise ScheduleError("auto: no schedule can run this setting:\n" + "\n".join(refusals))
+    if spec.refine_seconds > 0:
+        from ..refine import refine
+
+        best = refine(best, costs, spec.memory_limit, spec.refine_seconds)
+    return Schedule(f"auto ({best.name})", best.placements, best.microbatches, best.orders)

@@ -1,0 +1,267 @@
+"""Timed list scheduling under a memory limit: the engine behind zb-auto and v-auto.
+
+All ranks are simulated together with the cost model. Whenever a rank is free it picks its
+next pass from what has arrived: a B if one is ready (1F-1B steady state), else an F if the
+memory limit allows it, else a pending W to fill the gap or to release memory. Because
+each decision knows when inputs arrive, warm-up forwards stop where the first B comes
+back, Ws land in the gaps that would otherwise idle, and non-uniform costs or a comm
+latency shift the whole pattern instead of breaking it. ``Switches`` are the heuristic's
+choices; callers try all of them and keep the best schedule by simulated stage span.
+
+Memory is admitted per microbatch: a rank's first F of a microbatch needs room left for one
+F on each of the rank's later chunks (the V turn). Without it a rank could fill up with
+early chunks while the F that lets the oldest microbatch turn has no room: a deadlock.
+With it the oldest microbatch can always advance, so the scheduler never stalls.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from itertools import product
+
+from ..costs import CostModel
+from ..ir import B, F, Pass, ScheduleError, W
+from ..placement import Placement
+
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Switches:
+    prefer_b: bool = True  # a ready B goes before a ready F (otherwise F first: longer warm-up)
+    protect_b: bool = False  # do not start an F or W that would still run when a B arrives
+    fill_fit: bool = True  # fill a gap with a W only if the gap is known to be at least T_W
+    depth_first: bool = True  # several chunks: the deepest ready F first (finish microbatches early)
+
+
+# the settings that won most often on a grid of sizes, costs and limits come first
+_ORDER = product((True, False), (True, False), (False, True), (True, False))
+ALL_SWITCHES = tuple(
+    Switches(prefer_b, protect, fill_fit, depth_first) for depth_first, fill_fit, protect, prefer_b in _ORDER
+)
+
+
+def min_memory_limit(placement: Placement, costs: CostModel) -> float:
+    """The least limit any schedule needs: one microbatch's activations of a rank's chunks."""
+    per_rank = [0.0] * placement.pp
+    for stage, (rank, _) in enumerate(placement.blocks):
+        per_rank[rank] += costs.mem_f[placement.full_stage(stage)] / placement.chunks
+    return max(per_rank)
+
+
+def check_memory_costs(name: str, costs: CostModel) -> None:
+    if any(v > 0 for v in (*costs.mem_b, *costs.mem_w)):
+        raise ScheduleError(f"{name} assumes B and W release memory: --mem-b and --mem-w must be <= 0")
+
+
+@dataclass(frozen=True)
+class Result:
+    """Per-rank orders with their simulated stage span, makespan and peak memory."""
+
+    orders: list[list[Pass]]
+    stage_span: float
+    makespan: float
+    peak: float
+
+    def score(self) -> tuple[float, float, float]:
+        return (round(self.stage_span, 9), round(self.makespan, 9), round(self.peak, 9))
+
+
+def greedy_orders(
+    placement: Placement,
+    costs: CostModel,
+    microbatches: int,
+    limit: float | None,
+    switches: Switches = Switches(),
+) -> Result:
+    """Per-rank orders from the timed list scheduler; ``limit`` None means unlimited."""
+    return _Greedy(placement, costs, microbatches, limit, switches).run()
+
+
+class _Greedy:
+    def __init__(self, placement: Placement, costs: CostModel, m: int, limit: float | None, switches: Switches):
+        pl, c = placement, placement.chunks
+        self.m, self.sw = m, switches
+        self.limit = float("inf") if limit is None else limit + EPS
+        self.comm = costs.t_comm
+        n = pl.num_stages
+        self.n = n
+        self.rank = [pl.rank_of(s) for s in range(n)]
+        full = [pl.full_stage(s) for s in range(n)]
+        self.tf = [costs.t_f[full[s]] / c for s in range(n)]
+        self.tb = [costs.t_b[full[s]] / c for s in range(n)]
+        self.tw = [costs.t_w[full[s]] / c for s in range(n)]
+        self.df = [costs.mem_f[full[s]] / c for s in range(n)]
+        self.db = [costs.mem_b[full[s]] / c for s in range(n)]
+        self.dw = [costs.mem_w[full[s]] / c for s in range(n)]
+        p = pl.pp
+        self.stages = [[s for s in range(n) if self.rank[s] == r] for r in range(p)]
+        # memory a rank reserves when a microbatch enters it: its Fs on the rank's later chunks
+        self.extra = [sum(self.df[s] for s in stages[1:]) for stages in self.stages]
+        # decision times (what a rank knows) and as-soon-as-possible times of the resulting order
+        self.f_end: list[list[float | None]] = [[None] * m for _ in range(n)]
+        self.f_asap, self.b_asap = [[0.0] * m for _ in range(n)], [[0.0] * m for _ in range(n)]
+        self.free, self.first = [0.0] * p, [None] * p
+        self.peak = [0.0] * p
+        self.b_end: list[list[float | None]] = [[None] * m for _ in range(n)]
+        self.f_next, self.b_next = [0] * n, [0] * n
+        self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+        self.mem, self.clock = [0.0] * p, [0.0] * p
+        self.orders: list[list[Pass]] = [[] for _ in range(p)]
+        self.remaining = [3 * m * len(stages) for stages in self.stages]
+        self.sleeping = [False] * p
+        self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
+
+    def _f_arrival(self, s: int, k: int) -> float | None:
+        if s == 0:
+            return 0.0
+        end = self.f_end[s - 1][k]
+        if end is None:
+            return None
+        return end + (self.comm if self.rank[s - 1] != self.rank[s] else 0.0)
+
+    def _b_arrival(self, s: int, k: int) -> float | None:
+        if s == self.n - 1:
+            return self.f_end[s][k]
+        end = self.b_end[s + 1][k]
+        if end is None:
+            return None
+        return end + (self.comm if self.rank[s + 1] != self.rank[s] else 0.0)
+
+    def _f_fits(self, r: int, s: int) -> bool:
+        extra = self.extra[r] if s == self.stages[r][0] else 0.0
+        return self.mem[r] + self.df[s] + extra <= self.limit
+
+    def run(self) -> Result:
+        while True:
+            while self.heap:
+                t, r = heapq.heappop(self.heap)
+                self._step(r, t)
+            held = [r for r in range(len(self.orders)) if self.remaining[r] and self.pending[r]]
+            if not held:
+                break
+            for r in held:  # every rank waits while holding Ws: release memory
+                self.sleeping[r] = False
+                self._run_w(r, self.clock[r])
+        if any(self.remaining):
+            stuck = [r for r, left in enumerate(self.remaining) if left]
+            raise ScheduleError(f"the list scheduler stalled on ranks {stuck} (memory limit too tight for this layout)")
+        firsts = [first for first in self.first if first is not None]
+        span = max(end - first for end, first in zip(self.free, self.first, strict=True) if first is not None)
+        return Result(self.orders, span, max(self.free) - min(firsts), max(self.peak))
+
+    def _asap(self, r: int, ready: float, duration: float) -> float:
+        """Start the pass as early as the order allows; returns its end."""
+        start = max(self.free[r], ready)
+        if self.first[r] is None:
+            self.first[r] = start
+        self.free[r] = start + duration
+        return start + duration
+
+    def _hop(self, src: int, dst: int) -> float:
+        return self.comm if self.rank[src] != self.rank[dst] else 0.0
+
+    def _step(self, r: int, t: float) -> None:
+        sw, m = self.sw, self.m
+        ready_b: tuple[int, int] | None = None
+        ready_f: int | None = None
+        future_b: list[float] = []
+        future: list[float] = []
+        unknown: list[float] = []  # lower bounds of arrivals whose producer has not run yet
+        memory_blocked = False
+        for s in self.stages[r]:
+            k = self.b_next[s]
+            if k < self.f_next[s]:
+                a = self._b_arrival(s, k)
+                if a is None:
+                    q = self.rank[s + 1]
+                    unknown.append(max(self.clock[q], t) + self.tb[s + 1] + self.comm)
+                elif a <= t + EPS:
+                    if ready_b is None or (k, -s) < (ready_b[1], -ready_b[0]):
+                        ready_b = (s, k)
+                else:
+                    future_b.append(a)
+            k = self.f_next[s]
+            if k < m:
+                a = self._f_arrival(s, k)
+                if a is None:
+                    q = self.rank[s - 1]
+                    unknown.append(max(self.clock[q], t) + self.tf[s - 1] + self.comm)
+                elif not self._f_fits(r, s):
+                    if a <= t + EPS:
+                        memory_blocked = True
+                    else:
+                        future.append(a)  # by then a W may have to make room
+                elif a <= t + EPS:
+                    if ready_f is None or (s > ready_f) == sw.depth_first:
+                        ready_f = s
+                else:
+                    future.append(a)
+        future += future_b
+        next_b = min(future_b, default=float("inf"))
+        if ready_b is not None and (sw.prefer_b or ready_f is None):
+            return self._run_b(r, t, *ready_b)
+        if ready_f is not None and not (sw.protect_b and ready_b is None and next_b < t + self.tf[ready_f] - EPS):
+            return self._run_f(r, t, ready_f)
+        if self.pending[r]:
+            s = self.pending[r][0][0]
+            fits = not (sw.protect_b and next_b < t + self.tw[s] - EPS)
+            if sw.fill_fit:
+                gap = min((*future, *unknown), default=float("inf")) - t
+                fits = fits and gap >= self.tw[s] - EPS
+            if memory_blocked or fits:
+                return self._run_w(r, t)
+        if future:
+            self._push(r, min(future))
+        else:
+            self.sleeping[r] = True
+
+    def _push(self, r: int, t: float) -> None:
+        self.clock[r] = t
+        heapq.heappush(self.heap, (t, r))
+
+    def _wake(self, q: int) -> None:
+        if self.sleeping[q]:
+            self.sleeping[q] = False
+            heapq.heappush(self.heap, (self.clock[q], q))
+
+    def _run_f(self, r: int, t: float, s: int) -> None:
+        k = self.f_next[s]
+        self.f_next[s] += 1
+        end = t + self.tf[s]
+        self.f_end[s][k] = end
+        ready = self.f_asap[s - 1][k] + self._hop(s - 1, s) if s else 0.0
+        self.f_asap[s][k] = self._asap(r, ready, self.tf[s])
+        self.mem[r] += self.df[s]
+        self.peak[r] = max(self.peak[r], self.mem[r])
+        self.orders[r].append(F(s, k))
+        self._done(r, end)
+        if s + 1 < self.n:
+            self._wake(self.rank[s + 1])
+
+    def _run_b(self, r: int, t: float, s: int, k: int) -> None:
+        self.b_next[s] += 1
+        end = t + self.tb[s]
+        self.b_end[s][k] = end
+        ready = self.b_asap[s + 1][k] + self._hop(s + 1, s) if s + 1 < self.n else self.f_asap[s][k]
+        self.b_asap[s][k] = self._asap(r, ready, self.tb[s])
+        self.mem[r] += self.db[s]
+        self.pending[r].append((s, k))
+        self.orders[r].append(B(s, k))
+        self._done(r, end)
+        if s > 0:
+            self._wake(self.rank[s - 1])
+
+    def _run_w(self, r: int, t: float) -> None:
+        s, k = self.pending[r].popleft()
+        self.mem[r] += self.dw[s]
+        self.orders[r].append(W(s, k))
+        self._asap(r, self.b_asap[s][k], self.tw[s])
+        self._done(r, t + self.tw[s])
+
+    def _done(self, r: int, end: float) -> None:
+        self.remaining[r] -= 1
+        if self.remaining[r]:
+            self._push(r, end)
