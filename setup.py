@@ -14,7 +14,8 @@ setup(
     install_requires=[],
     extras_require={
         "runtime": ["torch>=2.1", "megatron-core>=0.16.1"],
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.4"],
+        "refine": ["ortools>=9.8"],
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.4", "ortools>=9.8"],
     },
     entry_points={"console_scripts": ["megatron-zb = megatron_zb.cli:main"]},
 )

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from .compare import Comparison, compare
 from .schedule.costs import CostModel
 from .schedule.ir import ScheduleError
 from .schedule.registry import ScheduleSpec, build, get, names
@@ -29,11 +33,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_plan_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule", required=True, help="schedule name; see `megatron-zb list`")
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _add_setting_args(parser: argparse.ArgumentParser) -> None:
+    """The setting every command plans for: pp, microbatches, chunks, costs, memory."""
     parser.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel ranks")
     parser.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="microbatches per iteration")
-    parser.add_argument("--chunks", type=_positive_int, help="model chunks per rank (interleaved schedules)")
+    parser.add_argument("--chunks", type=_positive_int, help="model chunks per rank (default: each schedule's own)")
     costs = parser.add_argument_group("costs, per full stage (a number, or a comma list with one value per stage)")
     costs.add_argument("--cost-f", type=_numbers, default=(1.0,), help="forward time T_F (default 1)")
     costs.add_argument("--cost-b", type=_numbers, default=(1.0,), help="input-gradient backward time T_B (default 1)")
@@ -44,6 +58,19 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--mem-b", type=_numbers, default=(-0.5,), help="freed by B, negative (default -0.5)")
     memory.add_argument("--mem-w", type=_numbers, default=(-0.5,), help="freed by W, negative (default -0.5)")
     memory.add_argument("--memory-limit", type=float, help="per-rank activation memory limit (default: none)")
+
+
+def _add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule", required=True, help="schedule name; see `megatron-zb list`")
+    _add_setting_args(parser)
+    parser.add_argument(
+        "--refine-seconds",
+        type=_non_negative_seconds,
+        default=0.0,
+        metavar="N",
+        help="automatic schedules: improve the heuristic with the CP-SAT solver for up to N seconds "
+        "(needs megatron-zb[refine]); never worse than the heuristic",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--format", choices=FORMATS, default="text", help="default: text")
     out.add_argument("-o", "--output", help="write to this file instead of standard output")
@@ -51,16 +78,31 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--color", action="store_true", help="text format: ANSI colors by pass kind")
 
 
+def _add_compare_args(parser: argparse.ArgumentParser) -> None:
+    _add_setting_args(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--format", choices=("text", "json"), default="text", help="default: text")
+    out.add_argument("-o", "--output", help="write to this file instead of standard output")
+    out.add_argument(
+        "--plot", metavar="FILE", help="also draw bubble vs peak memory: FILE.svg, or FILE.png (needs rsvg-convert)"
+    )
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-zb", description="Zero-bubble pipeline schedules for Megatron.")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="generate, validate, simulate and draw one schedule")
     _add_plan_args(plan)
+    compare = commands.add_parser(
+        "compare", help="every schedule for one setting: bubbles, peak memory, communication, Pareto frontier"
+    )
+    _add_compare_args(compare)
     commands.add_parser("list", help="the registered schedules, one line each")
     return parser
 
 
-def plan_timeline(args: argparse.Namespace) -> Timeline:
+def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec:
+    """The ScheduleSpec of the setting flags; raises ScheduleError for a bad cost model."""
     costs = CostModel(
         args.pp,
         t_f=args.cost_f,
@@ -71,8 +113,12 @@ def plan_timeline(args: argparse.Namespace) -> Timeline:
         mem_b=args.mem_b,
         mem_w=args.mem_w,
     )
-    spec = ScheduleSpec(args.pp, args.microbatches, args.chunks, costs, args.memory_limit)
-    return simulate(build(args.schedule, spec), costs)
+    return ScheduleSpec(args.pp, args.microbatches, args.chunks, costs, args.memory_limit, refine_seconds)
+
+
+def plan_timeline(args: argparse.Namespace) -> Timeline:
+    spec = _spec(args, args.refine_seconds)
+    return simulate(build(args.schedule, spec), spec.costs)
 
 
 def render(timeline: Timeline, fmt: str, width: int | None = None, color: bool = False) -> str:
@@ -85,6 +131,49 @@ def render(timeline: Timeline, fmt: str, width: int | None = None, color: bool =
     return renderers.FORMATS[fmt](timeline)
 
 
+def _write(text: str, path: str | None) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text if text.endswith("\n") else text + "\n")
+    else:
+        print(text)
+
+
+def _plot(comparison: Comparison, path: str) -> None:
+    """Write the Pareto plot as SVG, or as PNG through rsvg-convert; ScheduleError if that cannot work."""
+    from .render.pareto import render_pareto_svg
+
+    svg = render_pareto_svg(comparison)
+    suffix = Path(path).suffix.lower()
+    if suffix == ".svg":
+        Path(path).write_text(svg, encoding="utf-8")
+        return
+    if suffix != ".png":
+        raise ScheduleError(f"--plot writes .svg or .png files, got {path!r}")
+    converter = shutil.which("rsvg-convert")
+    if converter is None:
+        raise ScheduleError(
+            "--plot FILE.png needs rsvg-convert (Debian/Ubuntu: apt-get install librsvg2-bin); "
+            "or write an .svg, which needs nothing"
+        )
+    result = subprocess.run([converter, "-f", "png", "-o", path], input=svg.encode(), capture_output=True)
+    if result.returncode:
+        raise ScheduleError(f"rsvg-convert failed: {result.stderr.decode(errors='replace').strip()}")
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    text = render(plan_timeline(args), args.format, args.width, args.color)
+    _write(text, args.output)
+
+
+def run_compare(args: argparse.Namespace) -> None:
+    comparison = compare(_spec(args))
+    text = json.dumps(comparison.to_dict()) if args.format == "json" else comparison.to_text().rstrip("\n")
+    if args.plot:
+        _plot(comparison, args.plot)
+    _write(text, args.output)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -93,15 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name:20s} {get(name).summary}")
         return 0
     try:
-        text = render(plan_timeline(args), args.format, args.width, args.color)
+        {"plan": run_plan, "compare": run_compare}[args.command](args)
     except ScheduleError as error:
-        print(f"megatron-zb plan: error: {error}", file=sys.stderr)
+        print(f"megatron-zb {args.command}: error: {error}", file=sys.stderr)
         return 2
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text if text.endswith("\n") else text + "\n")
-    else:
-        print(text)
     return 0
 
 

@@ -86,7 +86,10 @@ def test_bad_settings_are_refused(capsys, extra, message):
 
 def test_memory_refusal_lists_schedules_that_fit(capsys):
     _, _, err = run(capsys, "plan", "--schedule", "zb-h2", "--pp", "4", "-m", "8", "--memory-limit", "4")
-    assert err.strip().endswith("schedules that fit: 1f1b (4), zb-h1 (4)")
+    fits = err.strip().split("schedules that fit: ")[1].split(", ")
+    assert {"1f1b (4)", "zb-h1 (4)"} <= set(fits)  # and any other schedule that fits, as generators are added
+    assert all(float(item.rsplit("(", 1)[1].rstrip(")")) <= 4 for item in fits)
+    assert not any(item.startswith("zb-h2 ") for item in fits)
 
 
 def test_module_entry_point():
