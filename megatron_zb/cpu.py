@@ -1,0 +1,90 @@
+"""Shims that let megatron-core run on CPU with gloo, for tests and the CPU demo.
+
+megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` as a device,
+``device="cuda"`` tensors in the optimizer and the schedules, ``.cuda()`` copies,
+``Tensor.type()`` checks, a CUDA RNG tracker). ``enable()`` maps all of them to the CPU.
+It is applied only when asked, and refuses to run where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_lock = threading.Lock()
+_enabled = False
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU; every other call passes straight through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs = {**kwargs, "device": _CPU}
+            kwargs.pop("pin_memory", None)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and args[1:] and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _cuda_type_names(original):
+    """``Tensor.type()`` answers with the CUDA names megatron-core's optimizers check for."""
+
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _TYPE_NAMES:
+            return _TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    return type_
+
+
+def enable() -> None:
+    """Make megatron-core usable on CPU in this process (idempotent). Never on a GPU machine."""
+    global _enabled
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_zb.cpu.enable() is for CPU-only runs; CUDA is available here")
+    with _lock:
+        if _enabled:
+            return
+        torch.cuda.current_device = lambda: _CPU
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.cuda.empty_cache = lambda: None
+        torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
+        _CudaToCpu().__enter__()
+        _enabled = True
+    reset_rng_tracker()
+
+
+def reset_rng_tracker() -> None:
+    """Attention forks megatron's CUDA RNG tracker even without dropout; use the no-op one."""
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def is_enabled() -> bool:
+    return _enabled

@@ -1,0 +1,216 @@
+"""Runs one rank's passes of any schedule on its model chunks.
+
+The executor knows passes, not schedules: the placement in the IR says which chunk runs a
+stage and whether a neighbouring stage lives on this rank (handed over locally, as at the V
+turn) or on another one (sent and received as ``comm.program`` derived). It dispatches on
+the kind of pass: F, B (input gradients, weight gradients queued), W (the queued work) and
+BW (both at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..schedule import Pass, PassKind, Schedule
+from ..schedule.comm import CommOp, CommStep, Message, program
+from . import steps
+from .p2p import PipeComm, Transfer
+from .te_wgrad import BackwardDwJob
+from .wgrad import WeightGradStore
+
+ACTIVATION, GRADIENT = "activation", "gradient"
+
+
+@dataclass
+class RankPlan:
+    """What this rank runs, precomputed once per schedule."""
+
+    schedule: Schedule
+    rank: int
+    passes: tuple[Pass, ...]
+    receives: tuple[tuple[Message, ...], ...]  # receives to have posted before each pass
+    sends: tuple[tuple[Message, ...], ...]  # sends right after each pass
+    last_w_of_chunk: dict[int, int]  # chunk -> index of the pass that completes its weight gradients
+
+
+def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> RankPlan:
+    if forward_only:
+        orders = tuple(tuple(p for p in order if p.kind is PassKind.F) for order in schedule.orders)
+        schedule = Schedule(schedule.name, schedule.placements, schedule.microbatches, orders)
+    passes, receives, sends, waiting = [], [], [], []
+    for step in program(schedule)[rank]:
+        if isinstance(step, CommStep):
+            if step.op is CommOp.RECV:
+                waiting.append(step.message)
+            else:
+                sends[-1].append(step.message)
+            continue
+        passes.append(step)
+        receives.append(tuple(waiting))
+        sends.append([])
+        waiting = []
+    last_w = {}
+    for index, p in enumerate(passes):
+        if p.kind in (PassKind.W, PassKind.BW):
+            last_w[schedule.chunk_of(p)] = index
+    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), last_w)
+
+
+def inbox_key(message: Message) -> tuple:
+    """Where a received tensor waits: the input of an F, or the output gradient of a B."""
+    c = message.consumer
+    kind = ACTIVATION if c.kind is PassKind.F else GRADIENT
+    return (kind, c.pipe, c.stage, c.microbatch)
+
+
+class Executor:
+    """One iteration of one rank: ``run()`` walks the plan, then checks nothing is left over."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        forward_ctx: steps.ForwardContext,
+        comm: PipeComm,
+        store: WeightGradStore,
+        te_layers: list[list[torch.nn.Module]],
+        tensor_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        forward_only: bool = False,
+        on_chunk_grads_done: Callable[[int], None] | None = None,
+        on_first_forward: Callable[[int], None] | None = None,
+        profiler=None,
+        receive_lookahead: int = 0,
+    ):
+        self.plan, self.ctx, self.comm, self.store = plan, forward_ctx, comm, store
+        self.te_layers = te_layers
+        self.shape, self.dtype, self.device = tensor_shape, dtype, device
+        self.forward_only = forward_only
+        self.on_chunk_grads_done = on_chunk_grads_done
+        self.on_first_forward = on_first_forward
+        self.profiler = profiler
+        self.lookahead = receive_lookahead
+        self.config = forward_ctx.config
+        self.inbox: dict[tuple, torch.Tensor] = {}
+        self.stash: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.produced: dict[Pass, torch.Tensor] = {}
+        self._all_receives = [m for group in plan.receives for m in group]
+        self._posted = 0
+        self._started_chunks: set[int] = set()
+        self._dispatch = {
+            PassKind.F: self._forward,
+            PassKind.B: self._backward,
+            PassKind.W: self._weight,
+            PassKind.BW: self._backward_weight,
+        }
+
+    def run(self) -> None:
+        plan = self.plan
+        needed = 0
+        try:
+            for index, p in enumerate(plan.passes):
+                needed += len(plan.receives[index])
+                self._post(needed, ())
+                if self.profiler is not None:
+                    self.profiler.run(p, plan.schedule.chunk_of(p), self._dispatch[p.kind], p)
+                else:
+                    self._dispatch[p.kind](p)
+                self._post(needed, plan.sends[index])
+                chunk = plan.schedule.chunk_of(p)
+                if self.on_chunk_grads_done is not None and plan.last_w_of_chunk.get(chunk) == index:
+                    self.on_chunk_grads_done(chunk)
+            self.comm.finish()
+        except BaseException:
+            self.comm.abort()
+            raise
+        self._check_empty()
+
+    # -- communication ------------------------------------------------------------------------
+    def _post(self, needed: int, sends: tuple[Message, ...]) -> None:
+        upto = min(needed + self.lookahead, len(self._all_receives))
+        recvs = []
+        for message in self._all_receives[self._posted : upto]:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            what = f"{message.payload} for {message.consumer}"
+            recvs.append((inbox_key(message), Transfer(message.src, what, send=False), buffer))
+        self._posted = max(self._posted, upto)
+        outgoing = []
+        for message in sends:
+            tensor = self.produced.pop(message.producer)
+            outgoing.append((Transfer(message.dst, f"{message.payload} of {message.producer}", send=True), tensor))
+        self.comm.post(recvs, outgoing)
+
+    def _take(self, key: tuple) -> torch.Tensor:
+        if key in self.inbox:
+            return self.inbox.pop(key)
+        return self.comm.wait(key)
+
+    def _is_local(self, pipe: int, stage: int) -> bool:
+        placement = self.plan.schedule.placements[pipe]
+        return 0 <= stage < placement.num_stages and placement.rank_of(stage) == self.plan.rank
+
+    # -- passes -------------------------------------------------------------------------------
+    def _forward(self, p: Pass) -> None:
+        schedule = self.plan.schedule
+        chunk, last = schedule.chunk_of(p), schedule.num_stages(p.pipe) - 1
+        input_tensor = None
+        if p.stage > 0:
+            input_tensor = self._take((ACTIVATION, p.pipe, p.stage, p.microbatch))
+            if not self.forward_only:
+                input_tensor.requires_grad_()
+        first = chunk not in self._started_chunks
+        if first:
+            self._started_chunks.add(chunk)
+            if self.on_first_forward is not None:
+                self.on_first_forward(chunk)
+        with self.store.recording():
+            output = steps.forward(self.ctx, chunk, p.microbatch, input_tensor, p.stage == last, first)
+        if p.stage < last:
+            self._hand_on(p, output)
+        if not self.forward_only:
+            self.stash[p.pipe, p.stage, p.microbatch] = (input_tensor, output)
+
+    def _hand_on(self, p: Pass, output: torch.Tensor) -> None:
+        if self._is_local(p.pipe, p.stage + 1):
+            local = output.detach()
+            self.inbox[ACTIVATION, p.pipe, p.stage + 1, p.microbatch] = (
+                local if self.forward_only else local.requires_grad_()
+            )
+            return
+        self.produced[p] = output.detach()  # an alias: freeing ``output`` below keeps what is sent
+        if not self.forward_only and self.config.deallocate_pipeline_outputs:
+            output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+    def _backward(self, p: Pass) -> None:
+        schedule = self.plan.schedule
+        chunk, last = schedule.chunk_of(p), schedule.num_stages(p.pipe) - 1
+        input_tensor, output = self.stash.pop((p.pipe, p.stage, p.microbatch))
+        output_grad = None if p.stage == last else self._take((GRADIENT, p.pipe, p.stage, p.microbatch))
+        fifo = [BackwardDwJob(self.te_layers[chunk])] if self.te_layers[chunk] else []
+        with self.store.deferring((chunk, p.microbatch), fifo):
+            input_grad = steps.backward(output, output_grad, input_tensor, self.config)
+        del output, output_grad
+        if p.stage == 0:
+            return
+        if self._is_local(p.pipe, p.stage - 1):
+            self.inbox[GRADIENT, p.pipe, p.stage - 1, p.microbatch] = input_grad
+        else:
+            self.produced[p] = input_grad
+
+    def _weight(self, p: Pass) -> None:
+        self.store.run((self.plan.schedule.chunk_of(p), p.microbatch))
+
+    def _backward_weight(self, p: Pass) -> None:
+        self._backward(p)
+        self._weight(p)
+
+    def _check_empty(self) -> None:
+        left = [("inbox", self.inbox), ("activations", self.stash), ("unsent outputs", self.produced)]
+        for name, table in left:
+            if table:
+                raise RuntimeError(f"pipeline rank {self.plan.rank}: {name} left after the iteration: {list(table)}")
+        if not self.forward_only:
+            self.store.check_empty()

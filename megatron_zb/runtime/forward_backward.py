@@ -1,0 +1,297 @@
+"""megatron-core's ``forward_backward_func`` for any registered schedule.
+
+``ForwardBackward("zb-h1")`` is a drop-in for the function ``get_forward_backward_func()``
+returns: same keyword arguments, a list of model chunks and data iterators for several
+chunks per rank, the list of loss dicts on the rank that computes the loss (``[]``
+elsewhere). Every rank builds the same schedule from (name, pp, microbatches, chunks), so
+nothing is exchanged before the first pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec, build
+from ..schedule.ir import parse_orders
+from . import linear_split, steps
+from .executor import Executor, plan_rank
+from .p2p import DEFAULT_TIMEOUT_S, PipeComm
+from .te_wgrad import delayed_wgrad_layers
+from .wgrad import WeightGradStore
+
+
+@dataclass(frozen=True)
+class Groups:
+    pp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    cp_size: int
+
+
+class ForwardBackward:
+    """Runs ``schedule`` (a registered name) with megatron-core's forward_backward contract.
+
+    ``memory_limit``, ``costs`` and ``chunks`` are passed to the generator; ``timeout_s``
+    bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
+    """
+
+    def __init__(
+        self,
+        schedule: str = "zb-h1",
+        *,
+        memory_limit: float | None = None,
+        costs: CostModel | None = None,
+        chunks: int | None = None,
+        refine_seconds: float = 0.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        profiler=None,
+        receive_lookahead: int | None = None,
+    ):
+        self.name = schedule
+        self.memory_limit, self.costs, self.chunks = memory_limit, costs, chunks
+        self.refine_seconds = refine_seconds
+        self.timeout_s = timeout_s
+        self.profiler = profiler
+        self.receive_lookahead = receive_lookahead
+        self._schedules: dict[tuple[int, int, int], Schedule] = {}
+        self._plans: dict[tuple, object] = {}
+        self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
+
+    # -- planning -----------------------------------------------------------------------------
+    def schedule_for(self, pp: int, microbatches: int, chunks: int | None = None) -> Schedule:
+        """The schedule every rank runs for this setting (cached; refinement broadcast from rank 0)."""
+        chunks = chunks if chunks is not None else self.chunks
+        key = (pp, microbatches, chunks or 0)
+        if key not in self._schedules:
+            spec = ScheduleSpec(pp, microbatches, chunks, self.costs, self.memory_limit, self.refine_seconds)
+            schedule = build(self.name, spec) if not self._broadcasts() or dist.get_rank() == 0 else None
+            if self._broadcasts():
+                schedule = _broadcast_schedule(schedule)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _broadcasts(self) -> bool:
+        # CP-SAT refinement is not deterministic across processes: plan once, share the orders.
+        return self.refine_seconds > 0 and dist.is_initialized()
+
+    def set_costs(self, costs: CostModel) -> None:
+        """Re-plan with measured costs from the next call on (every rank must call this alike)."""
+        self.costs = costs
+        self._schedules.clear()
+        self._plans.clear()
+
+    # -- the forward_backward contract --------------------------------------------------------
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn=None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+        **newer_arguments,
+    ) -> list:
+        models = list(model) if isinstance(model, list) else [model]
+        iterators = _per_chunk_iterators(data_iterator, len(models))
+        config = _model_config(models[0])
+        _refuse_unsupported(config)
+        groups = _groups(pg_collection)
+        schedule = self.schedule_for(groups.pp.size(), num_microbatches, len(models) if len(models) > 1 else None)
+        if schedule.chunks != len(models):
+            raise ScheduleError(
+                f"schedule {schedule.name} runs {schedule.chunks} model chunk(s) per rank, got {len(models)}; "
+                f"build the model with {schedule.chunks} chunk(s) for its {schedule.placement.kind} placement"
+            )
+        shape = _tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn)
+        linear_split.install()
+        ctx = steps.ForwardContext(
+            forward_step_func, iterators, models, num_microbatches, config, groups.cp_size, collect_non_loss_data
+        )
+        if first_val_step is not None and forward_only:
+            ctx.mark_first_microbatch = bool(first_val_step)
+        store = WeightGradStore()
+        self.last_store = store
+        plan = self._plan(schedule, groups.pp.rank(), forward_only)
+        device = next(models[0].parameters()).device
+        timers = getattr(config, "timers", None)
+        if timers is not None:
+            timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
+        with _grad_sync_disabled(config, models, forward_only):
+            Executor(
+                plan,
+                ctx,
+                PipeComm(groups.pp, self.timeout_s),
+                store,
+                [[] if forward_only else delayed_wgrad_layers(m) for m in models],
+                shape,
+                config.pipeline_dtype or config.params_dtype,
+                device,
+                forward_only=forward_only,
+                on_chunk_grads_done=None if forward_only else _grad_sync_starter(config, models),
+                on_first_forward=None if forward_only else _param_sync_starter(config, models),
+                profiler=self.profiler if self.profiler is not None and self.profiler.active else None,
+                receive_lookahead=self._lookahead(groups.pp),
+            ).run()
+        if not forward_only and config.finalize_model_grads_func is not None:
+            num_tokens = _loss_rank_tokens(ctx, groups.pp, device) if config.calculate_per_token_loss else None
+            config.finalize_model_grads_func(
+                models, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
+            )
+        if timers is not None:
+            timers("forward-backward").stop()
+        return ctx.forward_data_store
+
+    def _plan(self, schedule: Schedule, rank: int, forward_only: bool):
+        key = (id(schedule), rank, forward_only)
+        if key not in self._plans:
+            self._plans[key] = plan_rank(schedule, rank, forward_only)
+        return self._plans[key]
+
+    def _lookahead(self, group: dist.ProcessGroup) -> int:
+        if self.receive_lookahead is not None:
+            return self.receive_lookahead
+        # gloo matches each (peer, direction) in order, so receives can be posted early; NCCL
+        # serialises a pair's sends and receives on one stream, so post them where they fall.
+        return 2 if dist.get_backend(group) == "gloo" else 0
+
+
+def _per_chunk_iterators(data_iterator, chunks: int) -> list:
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != chunks:
+            raise ValueError(f"got {len(data_iterator)} data iterators for {chunks} model chunks; give one per chunk")
+        return data_iterator
+    if chunks > 1:
+        raise ValueError(
+            f"{chunks} model chunks need a list of {chunks} data iterators (one per chunk, as Megatron builds "
+            f"them for virtual pipelines); got a single iterator"
+        )
+    return [data_iterator]
+
+
+def _model_config(model: torch.nn.Module):
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model)
+
+
+def _refuse_unsupported(config) -> None:
+    """Settings this runtime does not run yet, refused before the first pass."""
+    refused = {
+        "variable_seq_lengths": "variable sequence lengths between microbatches",
+        "defer_embedding_wgrad_compute": "--defer-embedding-wgrad-compute (zero bubble already defers W)",
+    }
+    for name, what in refused.items():
+        if getattr(config, name, False):
+            raise ValueError(f"megatron-zb schedules do not support {what}; turn {name} off")
+    if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise ValueError(
+            "megatron-zb schedules do not support --num-microbatches-with-partial-activation-checkpoints; "
+            "use full or selective recompute instead"
+        )
+
+
+def _groups(pg_collection) -> Groups:
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        cp = getattr(pg_collection, "cp", None)
+        return Groups(pg_collection.pp, pg_collection.tp, cp.size() if cp is not None else 1)
+    from megatron.core import parallel_state
+
+    return Groups(
+        parallel_state.get_pipeline_model_parallel_group(),
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_context_parallel_world_size(),
+    )
+
+
+def _tensor_shape(config, seq_length: int, micro_batch_size: int, groups: Groups, adjust) -> tuple[int, ...]:
+    """The boundary tensor between stages: [sequence, microbatch, hidden] after CP/SP splits."""
+    seq = seq_length // groups.cp_size
+    if config.sequence_parallel:
+        seq //= groups.tp.size()
+    shape = (seq, micro_batch_size, config.hidden_size)
+    if adjust is not None:
+        recv_shapes, send_shapes = adjust([shape], [shape])
+        if len(recv_shapes) != 1 or len(send_shapes) != 1 or tuple(recv_shapes[0]) != tuple(send_shapes[0]):
+            raise ValueError("adjust_tensor_shapes_fn must keep one boundary tensor of one shape for megatron-zb")
+        shape = tuple(recv_shapes[0])
+    return shape
+
+
+@contextlib.contextmanager
+def _grad_sync_disabled(config, models: list, forward_only: bool):
+    """Every B and W runs under no_sync; each chunk's reduction starts after its last W."""
+    no_sync = config.no_sync_func
+    with contextlib.ExitStack() as stack:
+        if no_sync is not None and not forward_only:
+            for func in no_sync if isinstance(no_sync, list) else [no_sync]:
+                stack.enter_context(func())
+        yield
+
+
+def _grad_sync_starter(config, models: list):
+    sync = config.grad_sync_func
+
+    def start(chunk: int) -> None:
+        if sync is not None:
+            (sync[chunk] if isinstance(sync, list) else sync)(models[chunk].parameters())
+            return
+        ddp_config = getattr(models[chunk], "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_grad_reduce:
+            models[chunk].start_grad_sync()
+        # Without overlap, finalize_model_grads_func reduces synchronously (once) at the end.
+
+    return start
+
+
+def _param_sync_starter(config, models: list):
+    sync = config.param_sync_func
+    if sync is None:
+        return None
+
+    def start(chunk: int) -> None:
+        (sync[chunk] if isinstance(sync, list) else sync)(models[chunk].parameters())
+
+    return start
+
+
+def _loss_rank_tokens(ctx: steps.ForwardContext, pp: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """Token count on every pipeline rank, whichever rank computed the loss.
+
+    finalize_model_grads broadcasts it from the last pipeline rank; with a V placement the
+    loss is on rank 0, so sum it over the pipeline first (only the loss rank has a count).
+    """
+    tokens = ctx.num_tokens if ctx.num_tokens is not None else torch.zeros((), dtype=torch.int)
+    tokens = tokens.to(device=device, dtype=torch.int).reshape(())
+    dist.all_reduce(tokens, group=pp)
+    return tokens
+
+
+def _broadcast_schedule(schedule: Schedule | None) -> Schedule:
+    from ..schedule import placement as placements
+
+    payload = [None]
+    if schedule is not None:
+        payload = [
+            (
+                schedule.name,
+                [(p.kind, p.pp, p.chunks, p.blocks) for p in schedule.placements],
+                schedule.microbatches,
+                schedule.to_text(),
+            )
+        ]
+    dist.broadcast_object_list(payload, src=0)
+    name, placement_fields, microbatches, text = payload[0]
+    found = tuple(placements.Placement(*fields) for fields in placement_fields)
+    return Schedule(name, found, microbatches, parse_orders(text))

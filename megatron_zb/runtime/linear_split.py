@@ -1,0 +1,192 @@
+"""B/W split of megatron-core's ColumnParallelLinear and RowParallelLinear.
+
+Both call the module-level ``linear_with_grad_accumulation_and_async_allreduce`` of
+``megatron.core.tensor_parallel.layers`` at call time, so replacing that one function covers
+qkv, proj, fc1, fc2 and the output layer. Inside our executor the replacement runs a linear
+whose backward computes the input gradient (with the TP all-reduce, or the reduce-scatter
+under sequence parallelism) and queues the weight-gradient GEMM in the W queue. Outside it,
+megatron-core's own function runs unchanged.
+
+The weight enters the autograd function detached: were the Parameter an input, its
+AccumulateGrad hook (DDP's) would fire in B with no gradient.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .wgrad import accumulate, active_store
+
+_lock = threading.Lock()
+_original = None
+
+
+def install() -> None:
+    """Patch megatron-core's linear function (idempotent)."""
+    global _original
+    from megatron.core.tensor_parallel import layers
+
+    with _lock:
+        if _original is None:
+            _original = layers.linear_with_grad_accumulation_and_async_allreduce
+            layers.linear_with_grad_accumulation_and_async_allreduce = splittable_linear
+
+
+def uninstall() -> None:
+    global _original
+    from megatron.core.tensor_parallel import layers
+
+    with _lock:
+        if _original is not None:
+            layers.linear_with_grad_accumulation_and_async_allreduce = _original
+            _original = None
+
+
+def splittable_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list | None = None,
+    wgrad_deferral_limit: int | None = 0,
+    async_grad_allreduce: bool | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Drop-in for megatron-core's function: splittable inside our executor, the original outside."""
+    if active_store() is None or grad_output_buffer is not None:
+        # Outside our passes, or megatron's own deferred embedding wgrad: leave it to megatron.
+        return _original(
+            input,
+            weight,
+            bias,
+            gradient_accumulation_fusion,
+            allreduce_dgrad,
+            sequence_parallel,
+            grad_output_buffer,
+            wgrad_deferral_limit,
+            async_grad_allreduce,
+            tp_group,
+        )
+    from megatron.core.parallel_state import get_tensor_model_parallel_group
+
+    tp_group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
+    options = _Options(weight, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group)
+    anchor = _anchor(input, bias)
+    return _SplitLinear.apply(input, weight.detach(), bias, anchor, options)
+
+
+# megatron-core's function reads and sets this attribute on whatever its module name holds.
+splittable_linear.warned = False
+
+
+class _Options:
+    """Non-tensor arguments; holding the Parameter here keeps it out of the autograd inputs."""
+
+    def __init__(self, weight, fusion, allreduce_dgrad, sequence_parallel, tp_group):
+        self.weight = weight
+        self.fusion = fusion
+        self.allreduce_dgrad = allreduce_dgrad
+        self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
+
+
+def _anchor(input: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A leaf that makes autograd call our backward even when nothing else needs a gradient."""
+    if input.requires_grad or (bias is not None and bias.requires_grad):
+        return None
+    return torch.empty(0, device=input.device, requires_grad=True)
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, anchor, options):
+        total_input = _gather(input, options.tp_group) if options.sequence_parallel else input
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        ctx.save_for_backward(input, weight)
+        ctx.options = options
+        ctx.use_bias = bias is not None
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        options = ctx.options
+        grad_input = grad_output.matmul(weight)
+        if options.sequence_parallel:
+            grad_input = _reduce_scatter(grad_input, options.tp_group)
+        elif options.allreduce_dgrad:
+            dist.all_reduce(grad_input, group=options.tp_group)
+        job = LinearWeightGrad(options, input, grad_output)
+        store = active_store()
+        if store is None or not store.defer(job):
+            params_grads = job.run()
+            if params_grads:
+                accumulate(*map(list, zip(*params_grads, strict=True)))
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+        return grad_input, None, grad_bias, None, None
+
+
+class LinearWeightGrad:
+    """The weight-gradient GEMM of one linear for one microbatch (a W queue job)."""
+
+    def __init__(self, options: _Options, input: torch.Tensor, grad_output: torch.Tensor):
+        self.options = options
+        self.input = input
+        self.grad_output = grad_output
+
+    def run(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        options, weight = self.options, self.options.weight
+        total_input = _gather(self.input, options.tp_group) if options.sequence_parallel else self.input
+        grad_output = self.grad_output.contiguous()
+        grad_output = grad_output.view(-1, grad_output.shape[-1])
+        total_input = total_input.contiguous()
+        total_input = total_input.view(-1, total_input.shape[-1])
+        self.input = self.grad_output = None
+        if options.fusion and hasattr(weight, "main_grad"):
+            _accumulate_into_main_grad(weight.main_grad, grad_output, total_input)
+            if not hasattr(weight, "grad_added_to_main_grad"):
+                return []
+            weight.grad_added_to_main_grad = True
+            # As megatron-core: a placeholder gradient so DDP's hook runs and marks the
+            # parameter ready without adding anything.
+            fill = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            return [(weight, fill(weight.main_grad.shape, dtype=total_input.dtype, device=total_input.device))]
+        return [(weight, grad_output.t().matmul(total_input))]
+
+
+def _accumulate_into_main_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
+    try:
+        import fused_weight_gradient_mlp_cuda
+    except ImportError:
+        fused_weight_gradient_mlp_cuda = None
+    if fused_weight_gradient_mlp_cuda is not None and main_grad.is_cuda:
+        if main_grad.dtype == torch.float32:
+            fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+        else:
+            fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+        return
+    main_grad.add_(grad_output.t().matmul(total_input).to(main_grad.dtype))
+
+
+def _gather(input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather along the sequence dimension (sequence parallelism)."""
+    size = list(input.shape)
+    size[0] *= group.size()
+    output = torch.empty(size, dtype=input.dtype, device=input.device)
+    dist.all_gather_into_tensor(output, input.contiguous(), group=group)
+    return output
+
+
+def _reduce_scatter(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = list(grad.shape)
+    size[0] //= group.size()
+    output = torch.empty(size, dtype=grad.dtype, device=grad.device)
+    dist.reduce_scatter_tensor(output, grad.contiguous(), group=group)
+    return output

@@ -1,0 +1,137 @@
+"""Measured pass times, turned into the simulator's cost model.
+
+While ``active``, every compute pass is timed (on a GPU the clock synchronises the device,
+so profile a few iterations, not the whole run). ``cost_model()`` averages the times over
+all pipeline ranks into per-stage T_F, T_B, T_W (the simulator's units: a full stage, 1/pp
+of the layers, whatever the placement) and measures T_comm with a ping-pong of one boundary
+tensor between neighbouring ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import CostModel, Pass, PassKind, Schedule
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    iteration: int
+    pass_: Pass
+    chunk: int
+    start: float
+    end: float
+
+
+class PassProfiler:
+    """Times passes while active; ``start()``/``stop()`` mark the iterations to measure."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device or torch.device("cpu")
+        self.active = False
+        self.iteration = 0
+        self.records: list[PassRecord] = []
+
+    def start(self) -> None:
+        self.active = True
+
+    def stop(self) -> None:
+        self.active = False
+
+    def next_iteration(self) -> None:
+        self.iteration += 1
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def run(self, p: Pass, chunk: int, fn, arg) -> None:
+        start = self.now()
+        fn(arg)
+        self.records.append(PassRecord(self.iteration, p, chunk, start, self.now()))
+
+    def local_means(self, schedule: Schedule) -> dict[tuple[str, int], tuple[float, int]]:
+        """(kind, full stage) -> (sum of per-stage-scaled seconds, count) on this rank."""
+        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
+        for record in self.records:
+            placement = schedule.placements[record.pass_.pipe]
+            stage = placement.full_stage(record.pass_.stage)
+            entry = sums[record.pass_.kind.value, stage]
+            entry[0] += (record.end - record.start) * placement.chunks
+            entry[1] += 1
+        return {key: (total, count) for key, (total, count) in sums.items()}
+
+    def cost_model(
+        self,
+        schedule: Schedule,
+        group: dist.ProcessGroup,
+        boundary_shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        w_share_when_fused: float = 0.5,
+    ) -> CostModel:
+        """Costs measured on every rank of ``group`` (collective: every pipeline rank calls it).
+
+        A fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
+        """
+        gathered: list = [None] * group.size()
+        dist.all_gather_object(gathered, self.local_means(schedule), group=group)
+        totals: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
+        for means in gathered:
+            for key, (total, count) in means.items():
+                totals[key][0] += total
+                totals[key][1] += count
+        pp = schedule.pp
+
+        def mean(kind: str, stage: int) -> float | None:
+            total, count = totals.get((kind, stage), (0.0, 0))
+            return total / count if count else None
+
+        t_f, t_b, t_w = [], [], []
+        for stage in range(pp):
+            f, b, w, bw = (mean(kind, stage) for kind in ("F", "B", "W", "BW"))
+            if b is None and bw is not None:
+                b, w = bw * (1 - w_share_when_fused), bw * w_share_when_fused
+            t_f.append(f or 0.0)
+            t_b.append(b or 0.0)
+            t_w.append(w or 0.0)
+        t_comm = measure_latency(group, boundary_shape, dtype, self.device)
+        return CostModel(pp, tuple(t_f), tuple(t_b), tuple(t_w), t_comm)
+
+    def kinds_seen(self) -> set[PassKind]:
+        return {record.pass_.kind for record in self.records}
+
+
+def measure_latency(
+    group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rounds: int = 8
+) -> float:
+    """One-way time of one boundary tensor between neighbouring ranks (mean over pairs and rounds)."""
+    rank, size = group.rank(), group.size()
+    if size == 1:
+        return 0.0
+    tensor = torch.zeros(shape, dtype=dtype, device=device)
+    measured = torch.zeros(1, dtype=torch.float64, device=device)
+    for left in range(size - 1):
+        right = left + 1
+        if rank not in (left, right):
+            continue
+        peer = dist.get_global_rank(group, right if rank == left else left)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            if rank == left:
+                dist.send(tensor, peer, group=group)
+                dist.recv(tensor, peer, group=group)
+            else:
+                dist.recv(tensor, peer, group=group)
+                dist.send(tensor, peer, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rank == left:
+            measured += (time.perf_counter() - start) / (2 * rounds)
+    dist.all_reduce(measured, group=group)
+    return float(measured.item()) / (size - 1)

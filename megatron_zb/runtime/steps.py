@@ -1,0 +1,127 @@
+"""One forward and one backward of a model chunk, as megatron-core's schedules run them.
+
+Our own code rather than megatron-core's ``forward_step``/``backward_step``: their
+signatures change between releases, and B must run the autograd engine directly (sent
+outputs are freed to one element, which ``torch.autograd.backward`` would reject).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.variable import Variable
+
+
+@dataclass
+class ForwardContext:
+    """What every forward of one ``forward_backward`` call shares."""
+
+    forward_step_func: object
+    data_iterators: list
+    models: list[torch.nn.Module]
+    num_microbatches: int
+    config: object
+    cp_size: int = 1
+    collect_non_loss_data: bool = False
+    forward_data_store: list = field(default_factory=list)
+    num_tokens: torch.Tensor | None = None
+    mark_first_microbatch: bool = True  # False on validation steps after the first (TE fp8 weight caching)
+
+
+def unwrap(model: torch.nn.Module, attribute: str):
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model, attribute)
+
+
+def forward(
+    ctx: ForwardContext, chunk: int, microbatch: int, input_tensor: torch.Tensor | None, loss_stage: bool, first: bool
+) -> torch.Tensor:
+    """Run ``forward_step_func`` on ``chunk``; on the loss stage return the scaled loss."""
+    model, config = ctx.models[chunk], ctx.config
+    if first and ctx.mark_first_microbatch and hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()
+    _set_current_microbatch(model, microbatch)
+    unwrap(model, "set_input_tensor")([input_tensor])
+    autocast = (
+        torch.autocast("cuda", dtype=config.autocast_dtype)
+        if getattr(config, "enable_autocast", False)
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        output, loss_func = ctx.forward_step_func(ctx.data_iterators[chunk], model)
+    if loss_stage:
+        output = _loss(ctx, output, loss_func)
+    return output
+
+
+def _loss(ctx: ForwardContext, output, loss_func):
+    """megatron-core's loss convention: divide by tokens then microbatches, or legacy (loss, dict)."""
+    config, m = ctx.config, ctx.num_microbatches
+    if loss_func is None:
+        ctx.forward_data_store.append(output)
+        return output
+    if ctx.collect_non_loss_data:
+        ctx.forward_data_store.append(loss_func(output, non_loss_data=True))
+        return output
+    outputs = loss_func(output)
+    if len(outputs) == 3:
+        loss, num_tokens, reduced = outputs
+        if not config.calculate_per_token_loss:
+            loss = loss / torch.clamp(num_tokens, min=1) / m
+        ctx.num_tokens = num_tokens if ctx.num_tokens is None else ctx.num_tokens + num_tokens
+    else:
+        loss, reduced = outputs
+        loss = loss * ctx.cp_size / m
+    ctx.forward_data_store.append(reduced)
+    _scale_auxiliary_losses(config, loss, ctx.cp_size, m)
+    return loss
+
+
+def _scale_auxiliary_losses(config, loss: torch.Tensor, cp_size: int, m: int) -> None:
+    """MoE auxiliary and MTP losses backpropagate through autoscalers that need the loss scale."""
+    moe = getattr(config, "num_moe_experts", None) is not None
+    mtp = getattr(config, "mtp_num_layers", None) is not None
+    if not (moe or mtp):
+        return
+    one = torch.ones(1, device=loss.device)
+    scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    if moe:
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale * cp_size / m)
+    if mtp:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / m)
+
+
+def _set_current_microbatch(model: torch.nn.Module, microbatch: int) -> None:
+    try:
+        from megatron.core.pipeline_parallel.schedules import set_current_microbatch
+    except ImportError:
+        return
+    set_current_microbatch(model, microbatch)
+
+
+def backward(
+    output: torch.Tensor, output_grad: torch.Tensor | None, input_tensor: torch.Tensor | None, config
+) -> torch.Tensor | None:
+    """Backpropagate from ``output`` (the loss when ``output_grad`` is None); return the input gradient."""
+    if output_grad is None and config.grad_scale_func is not None:
+        output = config.grad_scale_func(output)
+    if output.requires_grad:
+        if output_grad is None:
+            output_grad = torch.ones_like(output, memory_format=torch.preserve_format)
+        Variable._execution_engine.run_backward(
+            tensors=(output,),
+            grad_tensors=(output_grad,),
+            keep_graph=False,
+            create_graph=False,
+            inputs=(),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
+    return None if input_tensor is None else input_tensor.grad

@@ -1,0 +1,120 @@
+"""The W queue: weight-gradient work that B leaves behind, run later by the W pass.
+
+B runs autograd as usual, but the weight-gradient GEMMs of split layers (see
+``linear_split.py`` and ``te_wgrad.py``) are not computed there: they are queued under the
+(chunk, microbatch) whose B is running, and ``run(key)`` computes them when the schedule
+reaches that W. Gradients reach the parameters through their own AccumulateGrad nodes, so
+DDP's hooks see them exactly as after a plain backward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+
+Key = tuple[int, int]  # (model chunk, microbatch)
+
+_local = threading.local()
+
+
+class WeightGradJob(Protocol):
+    def run(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Compute the deferred gradients; return (parameter, gradient) pairs still to accumulate."""
+
+
+class WeightGradStore:
+    """Deferred W work of one iteration, keyed by (chunk, microbatch); empty at the end."""
+
+    def __init__(self) -> None:
+        self._pending: dict[Key, list[WeightGradJob]] = {}
+        self._fifo: dict[int, deque[int]] = {}  # chunk -> microbatches with FIFO-bound (TE) work, in B order
+        self._deferring: Key | None = None
+        self.alive: weakref.WeakSet = weakref.WeakSet()  # every job not yet run (leak checks in tests)
+
+    # -- B side -------------------------------------------------------------------------------
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Route split layers through their splittable autograd functions (F and B passes)."""
+        previous = getattr(_local, "store", None)
+        _local.store = self
+        try:
+            yield
+        finally:
+            _local.store = previous
+
+    @contextmanager
+    def deferring(self, key: Key, fifo_jobs: Sequence[WeightGradJob] = ()) -> Iterator[None]:
+        """While B of ``key`` runs, split layers queue their weight gradients under ``key``.
+
+        ``fifo_jobs`` are jobs whose layers keep their own FIFO of pending work (Transformer
+        Engine's ``backward_dw``): they are queued after the B and must run in B order.
+        """
+        if self._deferring is not None:
+            raise RuntimeError(f"B of chunk {key[0]} mb {key[1]} started inside B of {self._deferring}")
+        self._deferring = key
+        try:
+            with self.recording():
+                yield
+        finally:
+            self._deferring = None
+        for job in fifo_jobs:
+            self._queue(key, job)
+        if fifo_jobs:
+            self._fifo.setdefault(key[0], deque()).append(key[1])
+
+    def defer(self, job: WeightGradJob) -> bool:
+        """Queue ``job`` under the running B; False when no B is deferring (run it now)."""
+        if self._deferring is None:
+            return False
+        self._queue(self._deferring, job)
+        return True
+
+    def _queue(self, key: Key, job: WeightGradJob) -> None:
+        self._pending.setdefault(key, []).append(job)
+        self.alive.add(job)
+
+    # -- W side -------------------------------------------------------------------------------
+    def run(self, key: Key) -> None:
+        """Run the W work of ``key`` and accumulate its gradients in one autograd call."""
+        chunk, microbatch = key
+        order = self._fifo.get(chunk)
+        if order and microbatch in order:
+            if order[0] != microbatch:
+                raise RuntimeError(
+                    f"W of chunk {chunk} mb {microbatch} runs before W of mb {order[0]}, but Transformer "
+                    f"Engine's backward_dw computes weight gradients in B order; reorder the Ws of chunk {chunk}"
+                )
+            order.popleft()
+        params, grads = [], []
+        for job in self._pending.pop(key, ()):
+            for param, grad in job.run():
+                params.append(param)
+                grads.append(grad)
+        if params:
+            accumulate(params, grads)
+
+    def __len__(self) -> int:
+        return sum(len(jobs) for jobs in self._pending.values())
+
+    def pending_keys(self) -> list[Key]:
+        return sorted(self._pending)
+
+    def check_empty(self) -> None:
+        if self._pending:
+            raise RuntimeError(f"W queue not empty at the end of the iteration: {self.pending_keys()} (chunk, mb)")
+
+
+def active_store() -> WeightGradStore | None:
+    """The store of the pass running on this thread, or None outside our executor."""
+    return getattr(_local, "store", None)
+
+
+def accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Add gradients to leaf parameters through their AccumulateGrad nodes (hooks fire as usual)."""
+    torch.autograd.backward(params, grads)

@@ -1,0 +1,127 @@
+"""A pool of gloo processes that stays up across many test cases.
+
+Importing megatron-core costs seconds per process, so a test module starts one pool and
+runs every case in it: ``pool.run(fn, **kwargs)`` calls ``fn(**kwargs)`` on every rank
+(``fn`` must be importable, e.g. a module-level function of the test file) and returns the
+per-rank results. A case that fails or hangs breaks the pool; the next ``run`` starts a
+fresh one, so one bad case cannot stall the rest of the module.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A case raised on some rank; the message carries every failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, path: list[str], threads: int, inbox, outbox) -> None:
+    sys.path[:] = path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    from megatron_zb import cpu
+
+    cpu.enable()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, kwargs = job
+        try:
+            outbox.put((rank, True, fn(**kwargs)))
+        except BaseException as error:  # report everything, keep serving
+            outbox.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` gloo processes with megatron-core on CPU (``megatron_zb.cpu.enable()`` applied)."""
+
+    def __init__(self, world_size: int, threads: int = 1, timeout_s: float = 300.0):
+        self.world_size, self.threads, self.timeout_s = world_size, threads, timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, list(sys.path), self.threads, self._inboxes[rank], self._outbox),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn: Callable, **kwargs) -> list:
+        """``fn(**kwargs)`` on every rank; the results in rank order, or WorkerError."""
+        if not self._procs:
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, kwargs))
+        results: dict[int, object] = {}
+        failures: dict[int, str] = {}
+        try:
+            for _ in range(self.world_size):
+                rank, ok, value = self._outbox.get(timeout=self.timeout_s)
+                (results if ok else failures)[rank] = value
+                if failures and len(results) + len(failures) < self.world_size:
+                    # The others may wait forever on the failed rank: collect what arrives soon.
+                    self._collect_quickly(results, failures)
+                    break
+        except Exception as error:  # queue.Empty: a rank hung
+            self.close()
+            raise WorkerError(f"{fn.__name__}({kwargs}) did not finish within {self.timeout_s:g} s") from error
+        if failures:
+            self.close()
+            first, *others = sorted(failures)
+            text = f"--- rank {first} ---\n{failures[first]}" + "".join(
+                f"\n--- rank {rank}: {failures[rank].splitlines()[0]}" for rank in others
+            )
+            raise WorkerError(f"{fn.__name__}({kwargs}) failed on rank(s) {sorted(failures)}:\n{text}")
+        return [results[rank] for rank in range(self.world_size)]
+
+    def _collect_quickly(self, results: dict, failures: dict, wait_s: float = 5.0) -> None:
+        import queue
+
+        while len(results) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=wait_s)
+            except queue.Empty:
+                return
+            (results if ok else failures)[rank] = value
+
+    def close(self) -> None:
+        for inbox, proc in zip(getattr(self, "_inboxes", []), self._procs, strict=False):
+            if proc.is_alive():
+                try:
+                    inbox.put(None)
+                except Exception:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs = []
