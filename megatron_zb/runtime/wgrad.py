@@ -36,6 +36,7 @@ class WeightGradStore:
         self._fifo: dict[int, deque[int]] = {}  # chunk -> microbatches with FIFO-bound (TE) work, in B order
         self._deferring: Key | None = None
         self.alive: weakref.WeakSet = weakref.WeakSet()  # every job not yet run (leak checks in tests)
+        self.queued = 0  # jobs queued so far (tests check that B really deferred work)
 
     # -- B side -------------------------------------------------------------------------------
     @contextmanager
@@ -78,6 +79,7 @@ class WeightGradStore:
     def _queue(self, key: Key, job: WeightGradJob) -> None:
         self._pending.setdefault(key, []).append(job)
         self.alive.add(job)
+        self.queued += 1
 
     # -- W side -------------------------------------------------------------------------------
     def run(self, key: Key) -> None:

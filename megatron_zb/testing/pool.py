@@ -30,6 +30,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, path: list[str], threads: int, inbox, outbox) -> None:
     sys.path[:] = path
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "Apex is not installed", etc.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist

@@ -1,0 +1,60 @@
+"""Helpers for cases run inside a WorkerPool: megatron parallel state and gradient comparison."""
+
+from __future__ import annotations
+
+import torch
+
+_current: tuple | None = None
+
+
+def init_parallel(tp: int = 1, pp: int = 1) -> None:
+    """(Re)initialise megatron-core's parallel state when the sizes change; data parallel fills the rest."""
+    global _current
+    from megatron.core import parallel_state
+
+    if _current == (tp, pp) and parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _current = (tp, pp)
+
+
+def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The accumulated gradient: DDP's main_grad when wrapped, else .grad."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def compare_to_blocks(chunks: list, blocks: list, schedule, rank: int) -> tuple[float, int]:
+    """Worst relative gradient difference between this rank's chunks and the reference blocks.
+
+    Relative to the largest reference entry of each parameter; returns (worst, parameters compared).
+    """
+    worst, compared = 0.0, 0
+    for placement in schedule.placements:
+        for block, (owner, chunk) in enumerate(placement.blocks):
+            if owner != rank:
+                continue
+            reference = dict(unwrapped(blocks[block]).named_parameters())
+            for name, param in unwrapped(chunks[chunk]).named_parameters():
+                mine, theirs = gradient(param), gradient(reference[name])
+                if theirs is None or mine is None:
+                    if (theirs is None) != (mine is None):
+                        raise AssertionError(f"block {block} {name}: gradient present on one side only")
+                    continue
+                scale = theirs.abs().max().clamp(min=1e-30)
+                worst = max(worst, float((mine.float() - theirs.float()).abs().max() / scale))
+                compared += 1
+    return worst, compared
+
+
+def relative_difference(ours: list[float], reference: list[float]) -> float:
+    if len(ours) != len(reference):
+        raise AssertionError(f"{len(ours)} losses against {len(reference)} reference losses")
+    return max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours, reference, strict=True)), default=0.0)

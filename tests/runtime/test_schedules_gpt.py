@@ -1,0 +1,165 @@
+"""Every registered schedule on a megatron-core GPTModel equals the unpipelined reference.
+
+Four gloo processes run all cases (pp=2 runs as two identical pipelines). The reference is
+the same layer blocks, built with the same seeds, chained in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_zb.schedule import ScheduleError, ScheduleSpec, build, names
+from megatron_zb.testing.pool import WorkerPool
+
+TOLERANCE = 1e-5
+# Refusals the grid is expected to meet, with a word their message must contain.
+EXPECTED_REFUSALS = {("interleaved-1f1b", "multiple of pp")}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(4)
+    yield workers
+    workers.close()
+
+
+def run_case(name: str, pp: int, m: int, forward_only: bool = False) -> dict:
+    """On every rank: our run and the reference chain; what the test compares."""
+    from megatron.core import parallel_state
+
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.testing.parallel import compare_to_blocks, init_parallel
+    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step, reference_step
+
+    init_parallel(pp=pp)
+    runner = ForwardBackward(name, timeout_s=60)
+    schedule = runner.schedule_for(pp, m)
+    toy = ToyGPT()
+    config = toy.config(pp, schedule.chunks)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = toy.chunks(config, schedule, rank)
+    batches = toy.batches(m)
+    iterators = [iter(batches) for _ in chunks]
+    with torch.no_grad() if forward_only else torch.enable_grad():
+        losses = runner(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=m,
+            seq_length=toy.seq,
+            micro_batch_size=toy.micro_batch,
+            forward_only=forward_only,
+        )
+    blocks = toy.all_blocks(config, schedule.placement)
+    with torch.no_grad() if forward_only else torch.enable_grad():
+        reference = reference_step(blocks, batches) if not forward_only else _forward_losses(blocks, batches)
+    worst, compared = (0.0, 0) if forward_only else compare_to_blocks(chunks, blocks, schedule, rank)
+    return {
+        "losses": [float(d["lm loss"][0]) for d in losses],
+        "reference": reference,
+        "worst_grad": worst,
+        "compared": compared,
+        "queued_w": runner.last_store.queued,
+    }
+
+
+def _forward_losses(blocks, batches) -> list[float]:
+    from megatron_zb.testing.toy_gpt import loss_func
+
+    losses = []
+    for batch in batches:
+        hidden = None
+        for model in blocks:
+            model.set_input_tensor(hidden)
+            hidden = model(
+                batch["tokens"] if model.pre_process else None,
+                batch["position_ids"] if model.pre_process else None,
+                None,
+                labels=batch["labels"] if model.post_process else None,
+            )
+        losses.append(float(loss_func(batch["loss_mask"], hidden)[0]))
+    return losses
+
+
+def check(results: list[dict], pp: int, m: int, forward_only: bool = False) -> None:
+    loss_ranks = [r for r in results if r["losses"]]
+    assert len(loss_ranks) == len(results) // pp, "exactly one rank of each pipeline returns the losses"
+    for result in loss_ranks:
+        assert len(result["losses"]) == m
+        worst_loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], result["reference"], strict=True))
+        assert worst_loss <= TOLERANCE, f"loss differs by {worst_loss:.2e}"
+    if not forward_only:
+        for rank, result in enumerate(results):
+            assert result["compared"] > 0, f"rank {rank} compared no gradients"
+            assert result["worst_grad"] <= TOLERANCE, f"rank {rank}: gradient differs by {result['worst_grad']:.2e}"
+
+
+GRID = [(name, pp, m) for pp in (2, 4) for m in (pp, 2 * pp + 1, 4 * pp) for name in names()]
+
+
+@pytest.mark.parametrize("name,pp,m", GRID, ids=[f"{n}-pp{p}-m{m}" for n, p, m in GRID])
+def test_schedule_matches_unpipelined_reference(pool, name, pp, m):
+    try:
+        build(name, ScheduleSpec(pp, m))
+    except ScheduleError as error:
+        expected = [word for refused, word in EXPECTED_REFUSALS if refused == name]
+        assert expected and expected[0] in str(error), f"unexpected refusal: {error}"
+        return
+    results = pool.run(run_case, name=name, pp=pp, m=m)
+    check(results, pp, m)
+    # Every linear's weight gradient went through the W queue (fused BW runs it right after its B).
+    assert all(r["queued_w"] >= m for r in results)
+
+
+FORWARD_ONLY = [("zb-h1", 2, 5), ("interleaved-1f1b", 4, 8), ("zb-v", 4, 9), ("v-min", 2, 3)]
+
+
+@pytest.mark.parametrize("name,pp,m", FORWARD_ONLY)
+def test_forward_only_matches_reference(pool, name, pp, m):
+    results = pool.run(run_case, name=name, pp=pp, m=m, forward_only=True)
+    check(results, pp, m, forward_only=True)
+    assert all(r["queued_w"] == 0 for r in results)
+
+
+def run_against_megatron(pp: int, m: int) -> dict:
+    """megatron-core's own 1F1B, then our 1f1b, on the same chunk: losses and gradients of both."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.testing.parallel import init_parallel
+    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+
+    init_parallel(pp=pp)
+    toy = ToyGPT()
+    runner = ForwardBackward("1f1b", timeout_s=60)
+    schedule = runner.schedule_for(pp, m)
+    (chunk,) = toy.chunks(toy.config(pp, 1), schedule, parallel_state.get_pipeline_model_parallel_rank())
+    batches = toy.batches(m)
+    outcome = {}
+    for label, function in (("megatron", forward_backward_pipelining_without_interleaving), ("ours", runner)):
+        chunk.zero_grad(set_to_none=True)
+        losses = function(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[chunk],
+            num_microbatches=m,
+            seq_length=toy.seq,
+            micro_batch_size=toy.micro_batch,
+        )
+        outcome[label] = {
+            "losses": [float(d["lm loss"][0]) for d in losses],
+            "grads": {name: p.grad.clone() for name, p in chunk.named_parameters()},
+        }
+    return outcome
+
+
+@pytest.mark.parametrize("pp,m", [(2, 5), (4, 8)])
+def test_1f1b_equals_megatron_core_1f1b(pool, pp, m):
+    for outcome in pool.run(run_against_megatron, pp=pp, m=m):
+        theirs, ours = outcome["megatron"], outcome["ours"]
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=TOLERANCE)
+        assert ours["grads"].keys() == theirs["grads"].keys()
+        for name, grad in ours["grads"].items():
+            torch.testing.assert_close(grad, theirs["grads"][name], rtol=TOLERANCE, atol=TOLERANCE * 1e-3, msg=name)
