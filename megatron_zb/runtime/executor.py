@@ -135,12 +135,13 @@ class Executor:
         for message in self._all_receives[self._posted : upto]:
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             what = f"{message.payload} for {message.consumer}"
-            recvs.append((inbox_key(message), Transfer(message.src, what, send=False), buffer))
+            recvs.append((inbox_key(message), Transfer(message.src, what, False, message.seq), buffer))
         self._posted = max(self._posted, upto)
         outgoing = []
         for message in sends:
             tensor = self.produced.pop(message.producer)
-            outgoing.append((Transfer(message.dst, f"{message.payload} of {message.producer}", send=True), tensor))
+            transfer = Transfer(message.dst, f"{message.payload} of {message.producer}", True, message.seq)
+            outgoing.append((transfer, tensor))
         self.comm.post(recvs, outgoing)
 
     def _take(self, key: tuple) -> torch.Tensor:

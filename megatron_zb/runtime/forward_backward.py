@@ -50,6 +50,8 @@ class ForwardBackward:
         profiler=None,
         receive_lookahead: int | None = None,
     ):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
         self.name = schedule
         self.memory_limit, self.costs, self.chunks = memory_limit, costs, chunks
         self.refine_seconds = refine_seconds

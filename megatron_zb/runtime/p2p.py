@@ -37,6 +37,7 @@ class Transfer:
     peer: int
     what: str  # e.g. "activation for F s2 mb3" or "gradient of B s1 mb0"
     send: bool
+    tag: int = 0  # position on its channel: gloo matches by it, so a lost message is named, not its successor
 
     def describe(self, rank: int) -> str:
         direction = f"sending {self.what} to" if self.send else f"receiving {self.what} from"
@@ -59,15 +60,15 @@ class PipeComm:
 
     def post(self, recvs: list[tuple[object, Transfer, torch.Tensor]], sends: list[tuple[Transfer, torch.Tensor]]):
         """Post receives (into the given buffers, collected later by key) and sends, in this order."""
-        ops = [dist.P2POp(dist.irecv, buffer, self._global(t.peer), self.group) for _, t, buffer in recvs]
-        ops += [dist.P2POp(dist.isend, tensor, self._global(t.peer), self.group) for t, tensor in sends]
+        ops = [dist.P2POp(dist.irecv, buffer, self._global(t.peer), self.group, t.tag) for _, t, buffer in recvs]
+        ops += [dist.P2POp(dist.isend, tensor, self._global(t.peer), self.group, t.tag) for t, tensor in sends]
         if not ops:
             return
         try:
             if self._batch and len(ops) > 1:
                 works = dist.batch_isend_irecv(ops)
             else:
-                works = [op.op(op.tensor, op.peer, op.group) for op in ops]
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         except RuntimeError as error:
             first = (recvs[0][1] if recvs else sends[0][0]).describe(self.rank)
             raise P2PError(f"{first}: posting failed: {error}") from error

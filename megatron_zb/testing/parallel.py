@@ -31,10 +31,12 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def compare_to_blocks(chunks: list, blocks: list, schedule, rank: int) -> tuple[float, int]:
+def compare_to_blocks(chunks: list, blocks: list, schedule, rank: int, slices: dict | None = None) -> tuple[float, int]:
     """Worst relative gradient difference between this rank's chunks and the reference blocks.
 
-    Relative to the largest reference entry of each parameter; returns (worst, parameters compared).
+    Relative to the largest reference entry of each parameter; returns (worst, parameters
+    compared). ``slices`` limits a parameter to the flat range this rank holds reduced
+    (distributed optimizer); parameters missing from it are skipped.
     """
     worst, compared = 0.0, 0
     for placement in schedule.placements:
@@ -48,6 +50,11 @@ def compare_to_blocks(chunks: list, blocks: list, schedule, rank: int) -> tuple[
                     if (theirs is None) != (mine is None):
                         raise AssertionError(f"block {block} {name}: gradient present on one side only")
                     continue
+                if slices is not None:
+                    if param not in slices:
+                        continue
+                    low, high = slices[param]
+                    mine, theirs = mine.reshape(-1)[low:high], theirs.reshape(-1)[low:high]
                 scale = theirs.abs().max().clamp(min=1e-30)
                 worst = max(worst, float((mine.float() - theirs.float()).abs().max() / scale))
                 compared += 1
@@ -58,3 +65,17 @@ def relative_difference(ours: list[float], reference: list[float]) -> float:
     if len(ours) != len(reference):
         raise AssertionError(f"{len(ours)} losses against {len(reference)} reference losses")
     return max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours, reference, strict=True)), default=0.0)
+
+
+def reduced_slices(ddp_module, dp_rank: int, dp_size: int) -> dict:
+    """Flat range of each parameter's main_grad that the distributed optimizer's reduce-scatter fills here."""
+    found = {}
+    for buffer in ddp_module.buffers:
+        for bucket in buffer.buckets:
+            shard = bucket.grad_data.numel() // dp_size
+            low, high = bucket.offset + dp_rank * shard, bucket.offset + (dp_rank + 1) * shard
+            for param in bucket.params_list:
+                start, end, _ = buffer.param_index_map[param]
+                if max(start, low) < min(end, high):
+                    found[param] = (max(start, low) - start, min(end, high) - start)
+    return found

@@ -1,0 +1,121 @@
+"""Schedules with tensor and data parallelism: megatron-core DDP (overlap on and off, the
+distributed optimizer's reduce-scatter) and TP collectives inside B and W.
+
+Four gloo processes: pp=2 x tp=2, or pp=2 x dp=2. The reference is the same blocks chained
+unpipelined (with tp=2 every tensor-parallel rank runs its shard of it; with dp=2 it runs
+both replicas' microbatches, which is what DDP's averaged gradient equals).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_zb.schedule import ScheduleError, ScheduleSpec, build, names
+from megatron_zb.testing.pool import WorkerPool
+
+TOLERANCE = 1e-5
+M = 5  # 2p+1 for pp=2
+DDP_VARIANTS = {
+    "ddp": dict(overlap_grad_reduce=False, use_distributed_optimizer=False),
+    "ddp-overlap": dict(overlap_grad_reduce=True, use_distributed_optimizer=False),
+    "distopt-overlap": dict(overlap_grad_reduce=True, use_distributed_optimizer=True),
+    "distopt": dict(overlap_grad_reduce=False, use_distributed_optimizer=True),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(4)
+    yield workers
+    workers.close()
+
+
+def run_parallel(name: str, tp: int, ddp: dict | None, m: int = M, iterations: int = 2) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.testing.parallel import compare_to_blocks, init_parallel, reduced_slices
+    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step, reference_step
+
+    pp = 2
+    init_parallel(tp=tp, pp=pp)
+    runner = ForwardBackward(name, timeout_s=60)
+    schedule = runner.schedule_for(pp, m)
+    toy = ToyGPT()
+    config = toy.config(pp, schedule.chunks, tp)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    chunks = toy.chunks(config, schedule, rank)
+    if ddp is not None:
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=4000, **ddp)
+        chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+        config.no_sync_func = [chunk.no_sync for chunk in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+    batches = toy.batches(m, stream=dp_rank)
+    for _ in range(iterations):  # the second iteration checks that DDP's per-iteration state resets
+        for chunk in chunks:
+            if ddp is not None:
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=True)
+        losses = runner(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=toy.seq,
+            micro_batch_size=toy.micro_batch,
+        )
+    blocks = toy.all_blocks(config, schedule.placement)
+    everyone = [batch for stream in range(dp_size) for batch in toy.batches(m, stream=stream)]
+    reference = reference_step(blocks, everyone, num_microbatches=m * dp_size)
+    slices = None
+    if ddp is not None and ddp["use_distributed_optimizer"]:
+        slices = {}
+        for chunk in chunks:
+            slices.update(reduced_slices(chunk, dp_rank, dp_size))
+    worst, compared = compare_to_blocks(chunks, blocks, schedule, rank, slices)
+    return {
+        "losses": [float(d["lm loss"][0]) for d in losses],
+        "reference": reference[dp_rank * m : (dp_rank + 1) * m],
+        "worst_grad": worst,
+        "compared": compared,
+    }
+
+
+def check(results: list[dict]) -> None:
+    assert sum(1 for r in results if r["losses"]) == 2, "one loss rank per pipeline"
+    for rank, result in enumerate(results):
+        if result["losses"]:
+            assert result["losses"] == pytest.approx(result["reference"], rel=TOLERANCE)
+        assert result["compared"] > 0, f"rank {rank} compared no gradients"
+        assert result["worst_grad"] <= TOLERANCE, f"rank {rank}: gradient differs by {result['worst_grad']:.2e}"
+
+
+def runnable(name: str) -> bool:
+    try:
+        build(name, ScheduleSpec(2, M))
+    except ScheduleError:
+        return False
+    return True
+
+
+SCHEDULES = [name for name in names() if runnable(name)]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_tensor_parallel(pool, name):
+    check(pool.run(run_parallel, name=name, tp=2, ddp=None))
+
+
+@pytest.mark.parametrize("variant", sorted(DDP_VARIANTS))
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_data_parallel_ddp(pool, name, variant):
+    check(pool.run(run_parallel, name=name, tp=1, ddp=DDP_VARIANTS[variant]))
+
+
+def test_tensor_parallel_under_ddp_overlap(pool):
+    check(pool.run(run_parallel, name="zb-v", tp=2, ddp=DDP_VARIANTS["ddp-overlap"]))
