@@ -76,6 +76,7 @@ def splittable_linear(
 
     tp_group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
     options = _Options(weight, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group)
+    options.store = active_store()
     anchor = _anchor(input, bias)
     return _SplitLinear.apply(input, weight.detach(), bias, anchor, options)
 
@@ -93,6 +94,7 @@ class _Options:
         self.allreduce_dgrad = allreduce_dgrad
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
+        self.store = None
 
 
 def _anchor(input: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,7 +126,7 @@ class _SplitLinear(torch.autograd.Function):
         elif options.allreduce_dgrad:
             dist.all_reduce(grad_input, group=options.tp_group)
         job = LinearWeightGrad(options, input, grad_output)
-        store = active_store()
+        store = options.store  # captured in forward: backward may run on autograd's device thread
         if store is None or not store.defer(job):
             params_grads = job.run()
             if params_grads:

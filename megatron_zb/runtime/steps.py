@@ -44,7 +44,8 @@ def forward(
     if first and ctx.mark_first_microbatch and hasattr(model, "set_is_first_microbatch"):
         model.set_is_first_microbatch()
     _set_current_microbatch(model, microbatch)
-    unwrap(model, "set_input_tensor")([input_tensor])
+    set_input_tensor = unwrap(model, "set_input_tensor")
+    set_input_tensor([input_tensor])
     autocast = (
         torch.autocast("cuda", dtype=config.autocast_dtype)
         if getattr(config, "enable_autocast", False)
@@ -52,6 +53,7 @@ def forward(
     )
     with autocast:
         output, loss_func = ctx.forward_step_func(ctx.data_iterators[chunk], model)
+    set_input_tensor([None])  # the model would otherwise keep the last input alive past the iteration
     if loss_stage:
         output = _loss(ctx, output, loss_func)
     return output

@@ -9,7 +9,6 @@ DDP's hooks see them exactly as after a plain backward.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -20,7 +19,9 @@ import torch
 
 Key = tuple[int, int]  # (model chunk, microbatch)
 
-_local = threading.local()
+# Not thread-local: on GPUs autograd runs backward functions (and recomputed forwards) on its
+# own device threads. One executor runs one pass at a time per process.
+_active: WeightGradStore | None = None
 
 
 class WeightGradJob(Protocol):
@@ -42,12 +43,12 @@ class WeightGradStore:
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Route split layers through their splittable autograd functions (F and B passes)."""
-        previous = getattr(_local, "store", None)
-        _local.store = self
+        global _active
+        previous, _active = _active, self
         try:
             yield
         finally:
-            _local.store = previous
+            _active = previous
 
     @contextmanager
     def deferring(self, key: Key, fifo_jobs: Sequence[WeightGradJob] = ()) -> Iterator[None]:
@@ -113,8 +114,8 @@ class WeightGradStore:
 
 
 def active_store() -> WeightGradStore | None:
-    """The store of the pass running on this thread, or None outside our executor."""
-    return getattr(_local, "store", None)
+    """The store of the pass running now, or None outside our executor."""
+    return _active
 
 
 def accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
