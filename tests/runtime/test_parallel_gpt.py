@@ -21,6 +21,7 @@ DDP_VARIANTS = {
     "distopt-overlap": dict(overlap_grad_reduce=True, use_distributed_optimizer=True),
     "distopt": dict(overlap_grad_reduce=False, use_distributed_optimizer=True),
 }
+WITH_GRAD_SYNC_FUNC = "ddp-overlap+grad_sync_func"  # how Megatron-LM wires overlap with align_grad_reduce
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,9 @@ def pool():
     workers.close()
 
 
-def run_parallel(name: str, tp: int, ddp: dict | None, m: int = M, iterations: int = 2) -> dict:
+def run_parallel(
+    name: str, tp: int, ddp: dict | None, m: int = M, iterations: int = 2, grad_sync_func: bool = False
+) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -54,6 +57,9 @@ def run_parallel(name: str, tp: int, ddp: dict | None, m: int = M, iterations: i
         chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
         config.no_sync_func = [chunk.no_sync for chunk in chunks]
         config.finalize_model_grads_func = finalize_model_grads
+        syncs = _record_grad_syncs(chunks, runner)
+        if grad_sync_func:
+            config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
     batches = toy.batches(m, stream=dp_rank)
     for _ in range(iterations):  # the second iteration checks that DDP's per-iteration state resets
         for chunk in chunks:
@@ -83,7 +89,24 @@ def run_parallel(name: str, tp: int, ddp: dict | None, m: int = M, iterations: i
         "reference": reference[dp_rank * m : (dp_rank + 1) * m],
         "worst_grad": worst,
         "compared": compared,
+        "chunks": len(chunks),
+        "syncs": syncs if ddp is not None else None,
     }
+
+
+def _record_grad_syncs(chunks: list, runner) -> list:
+    """Wrap each chunk's start_grad_sync: (chunk, W jobs of that chunk still queued) per call."""
+    calls = []
+    for index, chunk in enumerate(chunks):
+        original = chunk.start_grad_sync
+
+        def start(*args, _index=index, _original=original):
+            pending = [key for key in runner.last_store.pending_keys() if key[0] == _index]
+            calls.append((_index, len(pending)))
+            return _original(*args)
+
+        chunk.start_grad_sync = start
+    return calls
 
 
 def check(results: list[dict]) -> None:
@@ -111,10 +134,18 @@ def test_tensor_parallel(pool, name):
     check(pool.run(run_parallel, name=name, tp=2, ddp=None))
 
 
-@pytest.mark.parametrize("variant", sorted(DDP_VARIANTS))
+@pytest.mark.parametrize("variant", [*sorted(DDP_VARIANTS), WITH_GRAD_SYNC_FUNC])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_data_parallel_ddp(pool, name, variant):
-    check(pool.run(run_parallel, name=name, tp=1, ddp=DDP_VARIANTS[variant]))
+    with_func = variant == WITH_GRAD_SYNC_FUNC
+    ddp = DDP_VARIANTS["ddp-overlap" if with_func else variant]
+    results = pool.run(run_parallel, name=name, tp=1, ddp=ddp, grad_sync_func=with_func)
+    check(results)
+    for result in results:
+        # Overlap: each chunk's reduction starts once per iteration (2 here), after its last W.
+        # Without overlap, finalize_model_grads reduces synchronously and nothing starts early.
+        starts = [(chunk, 0) for _ in range(2) for chunk in range(result["chunks"])]
+        assert sorted(result["syncs"]) == (sorted(starts) if ddp["overlap_grad_reduce"] else [])
 
 
 def test_tensor_parallel_under_ddp_overlap(pool):
