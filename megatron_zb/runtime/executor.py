@@ -115,7 +115,7 @@ class Executor:
                 needed += len(plan.receives[index])
                 self._post(needed, ())
                 if self.profiler is not None:
-                    self.profiler.run(p, plan.schedule.chunk_of(p), self._dispatch[p.kind], p)
+                    self.profiler.run(p, plan.schedule.chunk_of(p), self._dispatch[p.kind], p, self._waited)
                 else:
                     self._dispatch[p.kind](p)
                 self._post(needed, plan.sends[index])
@@ -127,6 +127,9 @@ class Executor:
             self.comm.abort()
             raise
         self._check_empty()
+
+    def _waited(self) -> float:
+        return self.comm.waited_s
 
     # -- communication ------------------------------------------------------------------------
     def _post(self, needed: int, sends: tuple[Message, ...]) -> None:

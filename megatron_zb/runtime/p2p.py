@@ -54,6 +54,7 @@ class PipeComm:
         self._batch = dist.get_backend(group) == "nccl"
         self._recvs: dict[object, tuple[Transfer, dist.Work, torch.Tensor]] = {}
         self._sender = _SendWaiter(self.rank, timeout_s)
+        self.waited_s = 0.0  # time spent waiting for receives (the profiler subtracts it from passes)
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer)
@@ -80,7 +81,9 @@ class PipeComm:
     def wait(self, key: object) -> torch.Tensor:
         """The received tensor for ``key``, waiting at most the timeout."""
         transfer, work, buffer = self._recvs.pop(key)
+        start = time.perf_counter()
         _wait(work, self.timeout_s, transfer.describe(self.rank))
+        self.waited_s += time.perf_counter() - start
         self._sender.raise_failure()
         return buffer
 

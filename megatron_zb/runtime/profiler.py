@@ -51,10 +51,14 @@ class PassProfiler:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def run(self, p: Pass, chunk: int, fn, arg) -> None:
+    def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
+        """Time ``fn(arg)``; time spent waiting for its inputs (``waited()`` grows by it) is not work."""
+        before = waited() if waited is not None else 0.0
         start = self.now()
         fn(arg)
-        self.records.append(PassRecord(self.iteration, p, chunk, start, self.now()))
+        end = self.now()
+        idle = (waited() - before) if waited is not None else 0.0
+        self.records.append(PassRecord(self.iteration, p, chunk, start + idle, end))
 
     def local_means(self, schedule: Schedule) -> dict[tuple[str, int], tuple[float, int]]:
         """(kind, full stage) -> (sum of per-stage-scaled seconds, count) on this rank."""
@@ -75,12 +79,14 @@ class PassProfiler:
         dtype: torch.dtype = torch.float32,
         w_share_when_fused: float = 0.5,
     ) -> CostModel:
-        """Costs measured on every rank of ``group`` (collective: every pipeline rank calls it).
+        """Costs averaged over every rank (collective over the default group: call it on all ranks).
 
-        A fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
+        Every rank gets the same model, so tensor- and data-parallel replicas keep planning the
+        same schedule. ``group`` is this rank's pipeline group, where T_comm is measured. A
+        fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
         """
-        gathered: list = [None] * group.size()
-        dist.all_gather_object(gathered, self.local_means(schedule), group=group)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.local_means(schedule))
         totals: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
         for means in gathered:
             for key, (total, count) in means.items():
@@ -110,10 +116,13 @@ class PassProfiler:
 def measure_latency(
     group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rounds: int = 8
 ) -> float:
-    """One-way time of one boundary tensor between neighbouring ranks (mean over pairs and rounds)."""
+    """One-way time of one boundary tensor between neighbouring ranks (mean over pairs, rounds and pipelines).
+
+    Collective over the default group; every pipeline measures its own pairs at the same time.
+    """
     rank, size = group.rank(), group.size()
     if size == 1:
-        return 0.0
+        return 0.0  # every pipeline has this size: all ranks return here
     tensor = torch.zeros(shape, dtype=dtype, device=device)
     measured = torch.zeros(1, dtype=torch.float64, device=device)
     for left in range(size - 1):
@@ -133,5 +142,5 @@ def measure_latency(
             torch.cuda.synchronize(device)
         if rank == left:
             measured += (time.perf_counter() - start) / (2 * rounds)
-    dist.all_reduce(measured, group=group)
-    return float(measured.item()) / (size - 1)
+    dist.all_reduce(measured)  # every pipeline's pairs, so all ranks agree
+    return float(measured.item()) / ((size - 1) * (dist.get_world_size() // size))

@@ -40,7 +40,7 @@ class MemorySampler:
     def reset(self) -> None:
         self.baseline, self.peak = bytes_in_use(), 0
 
-    def run(self, p: Pass, chunk: int, fn, arg) -> None:
+    def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
         before = bytes_in_use()
         fn(arg)
         after = bytes_in_use()

@@ -163,3 +163,64 @@ def test_1f1b_equals_megatron_core_1f1b(pool, pp, m):
         assert ours["grads"].keys() == theirs["grads"].keys()
         for name, grad in ours["grads"].items():
             torch.testing.assert_close(grad, theirs["grads"][name], rtol=TOLERANCE, atol=TOLERANCE * 1e-3, msg=name)
+
+
+def run_profiled(name: str, pp: int = 2, m: int = 6) -> dict:
+    """Profile two iterations; return the cost model and this rank's measured work and wall time."""
+    import time
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.runtime.profiler import PassProfiler
+    from megatron_zb.testing.parallel import init_parallel
+    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+
+    init_parallel(pp=pp)
+    profiler = PassProfiler()
+    runner = ForwardBackward(name, timeout_s=60, profiler=profiler)
+    schedule = runner.schedule_for(pp, m)
+    toy = ToyGPT()
+    chunks = toy.chunks(toy.config(pp, schedule.chunks), schedule, parallel_state.get_pipeline_model_parallel_rank())
+    batches = toy.batches(m)
+    profiler.start()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(2):
+        runner(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=toy.seq,
+            micro_batch_size=toy.micro_batch,
+        )
+        profiler.next_iteration()
+    wall = time.perf_counter() - start
+    profiler.stop()
+    group = parallel_state.get_pipeline_model_parallel_group()
+    costs = profiler.cost_model(schedule, group, (toy.seq, toy.micro_batch, toy.hidden))
+    return {
+        "costs": costs,
+        "passes": len(profiler.records),
+        "expected_passes": 2 * len(schedule.orders[parallel_state.get_pipeline_model_parallel_rank()]),
+        "work": sum(r.end - r.start for r in profiler.records),
+        "wall": wall,
+        "iterations": sorted({r.iteration for r in profiler.records}),
+    }
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "1f1b", "zb-v"])
+def test_profiler_measures_every_pass_in_simulator_units(pool, name):
+    results = pool.run(run_profiled, name=name)
+    costs = results[0]["costs"]
+    assert all(r["costs"] == costs for r in results), "every rank gets the same cost model"
+    assert costs.pp == 2 and min(costs.t_f + costs.t_b + costs.t_w) > 0 and costs.t_comm > 0
+    for result in results:
+        assert result["passes"] == result["expected_passes"] and result["iterations"] == [0, 1]
+        assert 0 < result["work"] < result["wall"], "pass times exclude waiting and fit in the wall time"
+    if name == "1f1b":  # only fused BW ran: split half and half by default
+        assert costs.t_b == costs.t_w
+    else:
+        assert costs.t_b != costs.t_w

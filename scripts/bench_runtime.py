@@ -1,0 +1,166 @@
+"""Iteration time of megatron-core's own 1F1B against our schedules, on CPU (pp=2, gloo).
+
+Two processes with one compute thread each run a small GPT for every schedule in turn
+(round-robin, so drift hits all alike); the median iteration time is reported as a ratio to
+megatron-core's 1F1B, next to the simulator's prediction from costs profiled in the same
+run (T_F, T_B, T_W per stage from a zb-h1 run, T_comm from a ping-pong). The automatic
+schedules are planned with those costs, as re-planning does in training.
+
+    python scripts/bench_runtime.py --output docs/bench_runtime.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SCHEDULES = ("megatron-1f1b", "1f1b", "zb-h1", "zb-2p", "zb-v")
+
+
+def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: int, model: dict) -> dict:
+    """On every rank: profile costs, plan every schedule with them, time them round-robin."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.runtime.profiler import PassProfiler
+    from megatron_zb.testing.parallel import init_parallel
+    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+
+    init_parallel(pp=pp)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    toy = ToyGPT(**model)
+    batches = toy.batches(m)
+    models: dict[str, list] = {}  # placement kind -> this rank's chunks
+
+    def chunks_for(runner: ForwardBackward) -> list:
+        schedule = runner.schedule_for(pp, m)
+        kind = schedule.placement.kind
+        if kind not in models:
+            models[kind] = toy.chunks(toy.config(pp, schedule.chunks), schedule, rank)
+        return models[kind]
+
+    def iteration(function, chunks: list) -> float:
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=False)
+        dist.barrier()
+        start = time.perf_counter()
+        function(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=toy.seq,
+            micro_batch_size=toy.micro_batch,
+        )
+        dist.barrier()
+        return time.perf_counter() - start
+
+    profiler = PassProfiler()
+    profiled = ForwardBackward("zb-h1", profiler=profiler)
+    for index in range(warmup + 3):
+        if index == warmup:
+            profiler.start()
+        iteration(profiled, chunks_for(profiled))
+    profiler.stop()
+    shape = (toy.seq, toy.micro_batch, toy.hidden)
+    costs = profiler.cost_model(profiled.schedule_for(pp, m), parallel_state.get_pipeline_model_parallel_group(), shape)
+
+    runs = {}
+    for name in schedules:
+        runner = ForwardBackward("1f1b" if name == "megatron-1f1b" else name, costs=costs)
+        function = forward_backward_pipelining_without_interleaving if name == "megatron-1f1b" else runner
+        runs[name] = (function, chunks_for(runner))
+    for _ in range(warmup):
+        for name in schedules:
+            iteration(*runs[name])
+    times = {name: [] for name in schedules}
+    for _ in range(rounds):
+        for name in schedules:
+            times[name].append(iteration(*runs[name]))
+    return {"times": times, "costs": costs}
+
+
+def predictions(costs, pp: int, m: int, schedules: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    from megatron_zb.schedule import ScheduleSpec, build, simulate
+
+    found = {}
+    for name in schedules:
+        schedule = build("1f1b" if name == "megatron-1f1b" else name, ScheduleSpec(pp, m, costs=costs))
+        timeline = simulate(schedule, costs)
+        found[name] = (timeline.makespan, timeline.bubble_rate_makespan)
+    return found
+
+
+def table(result: dict, pp: int, m: int, model: dict, rounds: int, schedules: tuple[str, ...]) -> str:
+    times = {name: statistics.median(values) for name, values in result["times"].items()}
+    costs = result["costs"]
+    predicted = predictions(costs, pp, m, schedules)
+    base, base_predicted = times["megatron-1f1b"], predicted["megatron-1f1b"][0]
+    lines = [
+        f"pp={pp}, m={m}, one compute thread per rank, gloo on CPU; model {model}; median of {rounds} "
+        f"iterations each, schedules interleaved round-robin.",
+        "",
+        f"Profiled costs (per stage, ms): T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, T_W {_ms(costs.t_w)}, "
+        f"T_comm {costs.t_comm * 1e3:.2f}.",
+        "",
+        "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio | predicted bubble |",
+        "|---|---|---|---|---|",
+    ]
+    for name in schedules:
+        makespan, bubble = predicted[name]
+        lines.append(
+            f"| {name} | {times[name] * 1e3:.1f} | {times[name] / base:.3f} | {makespan / base_predicted:.3f} | "
+            f"{bubble:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ms(values) -> str:
+    return "/".join(f"{v * 1e3:.1f}" for v in values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", "-m", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--output", help="also write the table to this markdown file")
+    args = parser.parse_args()
+    from megatron_zb.testing.pool import WorkerPool
+
+    pp = 2
+    model = dict(
+        layers=args.layers, hidden=args.hidden, heads=8, seq=args.seq, micro_batch=args.micro_batch, vocab=1024
+    )
+    pool = WorkerPool(pp, threads=1, timeout_s=3600)
+    try:
+        results = pool.run(
+            measure,
+            schedules=SCHEDULES,
+            pp=pp,
+            m=args.microbatches,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            model=model,
+        )
+    finally:
+        pool.close()
+    text = table(results[0], pp, args.microbatches, model, args.rounds, SCHEDULES)
+    print(text)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(
+                "# Runtime benchmark\n\nMeasured with `python scripts/bench_runtime.py --output "
+                f"{args.output}`.\n\n{text}"
+            )
+
+
+if __name__ == "__main__":
+    main()
