@@ -8,14 +8,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_zb", "megatron_zb.*"]),
-    # The schedule core, the simulator and the CLI are pure Python. Only the runtime needs
-    # torch and megatron-core: install torch first (e.g. torch==2.13.0 for the CPU build),
-    # so that this range is already satisfied and pip fetches no CUDA wheels.
+    # The schedule core, the simulator and the CLI are pure Python. The runtime needs torch and
+    # megatron-core: install torch first (torch==2.13.0 is the CPU build here; GPU images bring
+    # their own), so that this range is already satisfied and pip fetches no CUDA wheels.
     install_requires=[],
     extras_require={
         "runtime": ["torch>=2.1", "megatron-core>=0.16.1"],
         "refine": ["ortools>=9.8"],
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.4", "ortools>=9.8"],
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.4", "ortools>=9.8", "torch>=2.1", "megatron-core>=0.16.1"],
     },
     entry_points={"console_scripts": ["megatron-zb = megatron_zb.cli:main"]},
 )

@@ -7,11 +7,17 @@ run (T_F, T_B, T_W per stage from a zb-h1 run, T_comm from a ping-pong). The aut
 schedules are planned with those costs, as re-planning does in training.
 
     python scripts/bench_runtime.py --output docs/bench_runtime.md
+
+glibc hands large blocks back to the kernel on free and faults fresh pages in on the next
+allocation, a cost that grows with the memory a schedule holds and that GPU caching
+allocators do not have; the workers keep freed memory instead (MALLOC_* below), for every
+schedule alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -128,13 +134,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--output", help="also write the table to this markdown file")
     args = parser.parse_args()
     from megatron_zb.testing.pool import WorkerPool
 
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # read by the spawned workers' glibc
+        os.environ.setdefault(name, str(4 << 30))
     pp = 2
     model = dict(
         layers=args.layers, hidden=args.hidden, heads=8, seq=args.seq, micro_batch=args.micro_batch, vocab=1024
