@@ -224,3 +224,32 @@ def test_profiler_measures_every_pass_in_simulator_units(pool, name):
         assert costs.t_b == costs.t_w
     else:
         assert costs.t_b != costs.t_w
+
+
+def run_with_one_chunk(name: str) -> str:
+    """A V schedule given a single model chunk: the refusal names both counts."""
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.schedule import ScheduleError
+    from megatron_zb.testing.parallel import init_parallel
+    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+
+    init_parallel(pp=2)
+    toy = ToyGPT()
+    model = toy.block(toy.config(2, 1), 0, 2)
+    try:
+        ForwardBackward(name)(
+            forward_step_func=forward_step,
+            data_iterator=iter(toy.batches(4)),
+            model=model,
+            num_microbatches=4,
+            seq_length=toy.seq,
+            micro_batch_size=toy.micro_batch,
+        )
+    except ScheduleError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_chunk_count_mismatch_is_refused(pool):
+    for message in pool.run(run_with_one_chunk, name="zb-v"):
+        assert "runs 2 model chunk(s) per rank, got 1" in message and "v placement" in message
