@@ -33,7 +33,7 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
     from megatron_zb.runtime import ForwardBackward
     from megatron_zb.runtime.profiler import PassProfiler
     from megatron_zb.testing.parallel import init_parallel
-    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+    from megatron_zb.testing.toy_gpt import ToyGPT
 
     init_parallel(pp=pp)
     rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -53,14 +53,7 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
             chunk.zero_grad(set_to_none=False)
         dist.barrier()
         start = time.perf_counter()
-        function(
-            forward_step_func=forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=toy.seq,
-            micro_batch_size=toy.micro_batch,
-        )
+        toy.step(function, chunks, batches)
         dist.barrier()
         return time.perf_counter() - start
 

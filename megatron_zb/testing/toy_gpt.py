@@ -99,6 +99,18 @@ class ToyGPT:
     def with_dtype(self, dtype: torch.dtype) -> ToyGPT:
         return replace(self, dtype=dtype)
 
+    def step(self, forward_backward, chunks: list, batches: list[dict], **kwargs):
+        """One ``forward_backward`` call over ``batches``, one data iterator per chunk."""
+        return forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(batches),
+            seq_length=self.seq,
+            micro_batch_size=self.micro_batch,
+            **kwargs,
+        )
+
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     """pretrain_gpt's form: (sum of masked token losses, token count, dict for logging)."""

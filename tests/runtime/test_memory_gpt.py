@@ -25,7 +25,7 @@ def run_iterations(name: str, pp: int = 4, m: int = 8, iterations: int = 3) -> d
     from megatron_zb.runtime import ForwardBackward
     from megatron_zb.testing.memory import MemorySampler
     from megatron_zb.testing.parallel import init_parallel
-    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+    from megatron_zb.testing.toy_gpt import ToyGPT
 
     init_parallel(pp=pp)
     sampler = MemorySampler()
@@ -49,14 +49,7 @@ def run_iterations(name: str, pp: int = 4, m: int = 8, iterations: int = 3) -> d
         gc.collect()
         sampler.reset()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            runner(
-                forward_step_func=forward_step,
-                data_iterator=[iter(batches) for _ in chunks],
-                model=chunks,
-                num_microbatches=m,
-                seq_length=toy.seq,
-                micro_batch_size=toy.micro_batch,
-            )
+            toy.step(runner, chunks, batches)
         jobs += [weakref.ref(job) for job in runner.last_store.alive]
         peaks.append(sampler.peak)
     gc.collect()

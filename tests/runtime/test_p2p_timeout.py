@@ -20,7 +20,7 @@ def run_with_lost_send(name: str, lost_microbatch: int) -> dict:
 
     from megatron_zb.runtime import ForwardBackward, P2PError, p2p
     from megatron_zb.testing.parallel import init_parallel
-    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+    from megatron_zb.testing.toy_gpt import ToyGPT
 
     init_parallel(pp=2)
     rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -40,14 +40,7 @@ def run_with_lost_send(name: str, lost_microbatch: int) -> dict:
     batches = toy.batches(m)
     start = time.monotonic()
     try:
-        runner(
-            forward_step_func=forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=toy.seq,
-            micro_batch_size=toy.micro_batch,
-        )
+        toy.step(runner, chunks, batches)
     except P2PError as error:
         return {"error": str(error), "type": type(error).__name__, "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}

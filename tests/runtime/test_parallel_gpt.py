@@ -40,7 +40,7 @@ def run_parallel(
 
     from megatron_zb.runtime import ForwardBackward
     from megatron_zb.testing.parallel import compare_to_blocks, init_parallel, reduced_slices
-    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step, reference_step
+    from megatron_zb.testing.toy_gpt import ToyGPT, reference_step
 
     pp = 2
     init_parallel(tp=tp, pp=pp)
@@ -67,14 +67,7 @@ def run_parallel(
                 chunk.zero_grad_buffer()
             else:
                 chunk.zero_grad(set_to_none=True)
-        losses = runner(
-            forward_step_func=forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=toy.seq,
-            micro_batch_size=toy.micro_batch,
-        )
+        losses = toy.step(runner, chunks, batches)
     blocks = toy.all_blocks(config, schedule.placement)
     everyone = [batch for stream in range(dp_size) for batch in toy.batches(m, stream=stream)]
     reference = reference_step(blocks, everyone, num_microbatches=m * dp_size)

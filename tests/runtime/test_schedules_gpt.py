@@ -175,7 +175,7 @@ def run_profiled(name: str, pp: int = 2, m: int = 6) -> dict:
     from megatron_zb.runtime import ForwardBackward
     from megatron_zb.runtime.profiler import PassProfiler
     from megatron_zb.testing.parallel import init_parallel
-    from megatron_zb.testing.toy_gpt import ToyGPT, forward_step
+    from megatron_zb.testing.toy_gpt import ToyGPT
 
     init_parallel(pp=pp)
     profiler = PassProfiler()
@@ -188,14 +188,7 @@ def run_profiled(name: str, pp: int = 2, m: int = 6) -> dict:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(2):
-        runner(
-            forward_step_func=forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=m,
-            seq_length=toy.seq,
-            micro_batch_size=toy.micro_batch,
-        )
+        toy.step(runner, chunks, batches)
         profiler.next_iteration()
     wall = time.perf_counter() - start
     profiler.stop()
