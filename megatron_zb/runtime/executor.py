@@ -9,6 +9,7 @@ BW (both at once).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class RankPlan:
     receives: tuple[tuple[Message, ...], ...]  # receives to have posted before each pass
     sends: tuple[tuple[Message, ...], ...]  # sends right after each pass
     last_w_of_chunk: dict[int, int]  # chunk -> index of the pass that completes its weight gradients
+    fused: frozenset[tuple[int, int, int]]  # (pipe, stage, microbatch) whose backward is one BW pass
 
 
 def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> RankPlan:
@@ -56,7 +58,8 @@ def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> Rank
     for index, p in enumerate(passes):
         if p.kind in (PassKind.W, PassKind.BW):
             last_w[schedule.chunk_of(p)] = index
-    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), last_w)
+    fused = frozenset((p.pipe, p.stage, p.microbatch) for p in passes if p.kind is PassKind.BW)
+    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), last_w, fused)
 
 
 def inbox_key(message: Message) -> tuple:
@@ -170,7 +173,10 @@ class Executor:
             self._started_chunks.add(chunk)
             if self.on_first_forward is not None:
                 self.on_first_forward(chunk)
-        with self.store.recording():
+        # A microbatch whose backward is one BW pass runs megatron-core's own linears: W inline,
+        # while the gradients are hot in cache, with no queue round trip.
+        fused = (p.pipe, p.stage, p.microbatch) in self.plan.fused
+        with contextlib.nullcontext() if fused else self.store.recording():
             output = steps.forward(self.ctx, chunk, p.microbatch, input_tensor, p.stage == last, first)
         if p.stage < last:
             self._hand_on(p, output)
