@@ -108,14 +108,9 @@ class ForwardBackward:
         models = list(model) if isinstance(model, list) else [model]
         iterators = _per_chunk_iterators(data_iterator, len(models))
         config = _model_config(models[0])
-        _refuse_unsupported(config)
+        _refuse_unsupported(config, models[0])
         groups = _groups(pg_collection)
-        schedule = self.schedule_for(groups.pp.size(), num_microbatches, len(models) if len(models) > 1 else None)
-        if schedule.chunks != len(models):
-            raise ScheduleError(
-                f"schedule {schedule.name} runs {schedule.chunks} model chunk(s) per rank, got {len(models)}; "
-                f"build the model with {schedule.chunks} chunk(s) for its {schedule.placement.kind} placement"
-            )
+        schedule = self._schedule_for_models(groups, num_microbatches, models)
         shape = _tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn)
         linear_split.install()
         ctx = steps.ForwardContext(
@@ -123,30 +118,13 @@ class ForwardBackward:
         )
         if first_val_step is not None and forward_only:
             ctx.mark_first_microbatch = bool(first_val_step)
-        store = WeightGradStore()
-        self.last_store = store
-        plan = self._plan(schedule, groups.pp.rank(), forward_only)
-        device = next(models[0].parameters()).device
         timers = getattr(config, "timers", None)
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
         with _grad_sync_disabled(config, models, forward_only):
-            Executor(
-                plan,
-                ctx,
-                PipeComm(groups.pp, self.timeout_s),
-                store,
-                [[] if forward_only else delayed_wgrad_layers(m) for m in models],
-                shape,
-                config.pipeline_dtype or config.params_dtype,
-                device,
-                forward_only=forward_only,
-                on_chunk_grads_done=None if forward_only else _grad_sync_starter(config, models),
-                on_first_forward=None if forward_only else _param_sync_starter(config, models),
-                profiler=self.profiler if self.profiler is not None and self.profiler.active else None,
-                receive_lookahead=self._lookahead(groups.pp),
-            ).run()
+            self._executor(schedule, groups, ctx, shape, forward_only).run()
         if not forward_only and config.finalize_model_grads_func is not None:
+            device = next(models[0].parameters()).device
             num_tokens = _loss_rank_tokens(ctx, groups.pp, device) if config.calculate_per_token_loss else None
             config.finalize_model_grads_func(
                 models, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
@@ -154,6 +132,34 @@ class ForwardBackward:
         if timers is not None:
             timers("forward-backward").stop()
         return ctx.forward_data_store
+
+    def _schedule_for_models(self, groups: Groups, microbatches: int, models: list) -> Schedule:
+        schedule = self.schedule_for(groups.pp.size(), microbatches, len(models) if len(models) > 1 else None)
+        if schedule.chunks != len(models):
+            raise ScheduleError(
+                f"schedule {schedule.name} runs {schedule.chunks} model chunk(s) per rank, got {len(models)}; "
+                f"build the model with {schedule.chunks} chunk(s) for its {schedule.placement.kind} placement"
+            )
+        return schedule
+
+    def _executor(self, schedule: Schedule, groups: Groups, ctx: steps.ForwardContext, shape, forward_only: bool):
+        config, models = ctx.config, ctx.models
+        self.last_store = WeightGradStore()
+        return Executor(
+            self._plan(schedule, groups.pp.rank(), forward_only),
+            ctx,
+            PipeComm(groups.pp, self.timeout_s),
+            self.last_store,
+            [[] if forward_only else delayed_wgrad_layers(m) for m in models],
+            shape,
+            config.pipeline_dtype or config.params_dtype,
+            next(models[0].parameters()).device,
+            forward_only=forward_only,
+            on_chunk_grads_done=None if forward_only else _grad_sync_starter(config, models),
+            on_first_forward=None if forward_only else _param_sync_starter(config, models),
+            profiler=self.profiler if self.profiler is not None and self.profiler.active else None,
+            receive_lookahead=self._lookahead(groups.pp),
+        )
 
     def _plan(self, schedule: Schedule, rank: int, forward_only: bool):
         key = (id(schedule), rank, forward_only)
@@ -188,8 +194,14 @@ def _model_config(model: torch.nn.Module):
     return get_model_config(model)
 
 
-def _refuse_unsupported(config) -> None:
+def _refuse_unsupported(config, model: torch.nn.Module | None = None) -> None:
     """Settings this runtime does not run yet, refused before the first pass."""
+    if model is not None:
+        from megatron.core.enums import ModelType
+        from megatron.core.utils import get_model_type
+
+        if get_model_type(model) == ModelType.encoder_and_decoder:
+            raise ValueError("megatron-zb schedules run decoder-only models (one boundary tensor per stage)")
     refused = {
         "variable_seq_lengths": "variable sequence lengths between microbatches",
         "defer_embedding_wgrad_compute": "--defer-embedding-wgrad-compute (zero bubble already defers W)",
