@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedule import Pass, PassKind, Schedule
+from ..schedule import Pass, PassKind, Schedule, ScheduleError
 from ..schedule.comm import CommOp, CommStep, Message, program
 from . import steps
 from .p2p import PipeComm, Transfer
@@ -39,6 +39,7 @@ class RankPlan:
 
 
 def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> RankPlan:
+    _check_forward_order(schedule, rank)
     if forward_only:
         orders = tuple(tuple(p for p in order if p.kind is PassKind.F) for order in schedule.orders)
         schedule = Schedule(schedule.name, schedule.placements, schedule.microbatches, orders)
@@ -60,6 +61,20 @@ def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> Rank
             last_w[schedule.chunk_of(p)] = index
     fused = frozenset((p.pipe, p.stage, p.microbatch) for p in passes if p.kind is PassKind.BW)
     return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), last_w, fused)
+
+
+def _check_forward_order(schedule: Schedule, rank: int) -> None:
+    """Each chunk reads its data iterator once per F, so its forwards must go in microbatch order."""
+    last: dict[tuple[int, int], int] = {}
+    for p in schedule.orders[rank]:
+        if p.kind is PassKind.F:
+            previous = last.get((p.pipe, p.stage), -1)
+            if p.microbatch <= previous:
+                raise ScheduleError(
+                    f"{schedule.name}: rank {rank} runs {p} after F of mb{previous}; the runtime needs the "
+                    f"forwards of each stage in microbatch order (data iterators are read in that order)"
+                )
+            last[p.pipe, p.stage] = p.microbatch
 
 
 def inbox_key(message: Message) -> tuple:

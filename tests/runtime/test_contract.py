@@ -48,3 +48,16 @@ def test_cpu_shims_map_cuda_to_cpu():
     assert tensor.cuda() is tensor
     assert tensor.type() == "torch.cuda.FloatTensor"
     assert tensor.type(torch.float64).dtype == torch.float64  # with arguments: torch's own behaviour
+
+
+def test_forwards_out_of_microbatch_order_are_refused():
+    from megatron_zb.runtime.executor import plan_rank
+    from megatron_zb.schedule import Schedule, ScheduleError
+    from megatron_zb.schedule.ir import parse_orders
+    from megatron_zb.schedule.placement import linear
+
+    orders = parse_orders("rank 0: F s0 mb1, F s0 mb0, BW s0 mb0, BW s0 mb1")
+    with pytest.raises(ScheduleError, match="forwards of each stage in microbatch order"):
+        plan_rank(Schedule("hand-made", (linear(1),), 2, orders), 0)
+    in_order = parse_orders("rank 0: F s0 mb0, F s0 mb1, BW s0 mb1, BW s0 mb0")
+    assert len(plan_rank(Schedule("hand-made", (linear(1),), 2, in_order), 0).passes) == 4
