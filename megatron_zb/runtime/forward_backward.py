@@ -36,6 +36,8 @@ class ForwardBackward:
 
     ``memory_limit``, ``costs`` and ``chunks`` are passed to the generator; ``timeout_s``
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
+    ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
+    computes the loss (V placements), because Megatron-LM reads and logs them only there.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class ForwardBackward:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         profiler=None,
         receive_lookahead: int | None = None,
+        losses_to_last_rank: bool = False,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
@@ -58,6 +61,7 @@ class ForwardBackward:
         self.timeout_s = timeout_s
         self.profiler = profiler
         self.receive_lookahead = receive_lookahead
+        self.losses_to_last_rank = losses_to_last_rank
         self._schedules: dict[tuple[int, int, int], Schedule] = {}
         self._plans: dict[tuple, object] = {}
         self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
@@ -131,6 +135,8 @@ class ForwardBackward:
             )
         if timers is not None:
             timers("forward-backward").stop()
+        if self.losses_to_last_rank:
+            return _ship_to_last_rank(ctx.forward_data_store, schedule, groups.pp, next(models[0].parameters()).device)
         return ctx.forward_data_store
 
     def _schedule_for_models(self, groups: Groups, microbatches: int, models: list) -> Schedule:
@@ -290,6 +296,36 @@ def _loss_rank_tokens(ctx: steps.ForwardContext, pp: dist.ProcessGroup, device: 
     tokens = tokens.to(device=device, dtype=torch.int).reshape(())
     dist.all_reduce(tokens, group=pp)
     return tokens
+
+
+def _ship_to_last_rank(store: list, schedule: Schedule, pp: dist.ProcessGroup, device: torch.device) -> list:
+    """Move the loss rank's forward data to the last pipeline rank ([] stays behind)."""
+    placement = schedule.placement
+    source, last = placement.rank_of(placement.num_stages - 1), pp.size() - 1
+    rank = pp.rank()
+    if source == last or rank not in (source, last):
+        return store
+    payload = [_to_device(store, torch.device("cpu"))] if rank == source else [None]
+    peer = dist.get_global_rank(pp, last if rank == source else source)
+    if rank == source:
+        dist.send_object_list(payload, dst=peer, group=pp, device=_object_device(pp, device))
+        return []
+    dist.recv_object_list(payload, src=peer, group=pp, device=_object_device(pp, device))
+    return _to_device(payload[0], device)
+
+
+def _object_device(group: dist.ProcessGroup, device: torch.device) -> torch.device | None:
+    return device if dist.get_backend(group) == "nccl" else None
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
 
 
 def _broadcast_schedule(schedule: Schedule | None) -> Schedule:

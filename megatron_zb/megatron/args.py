@@ -1,0 +1,307 @@
+"""Zero-bubble flags for Megatron-LM's argument parser, and the checks that refuse bad combinations.
+
+The flag names and meanings follow the zero-bubble reference implementation, so launch
+scripts written for it run unchanged; ``--pipeline-schedule`` and ``--zero-bubble-memory-limit``
+are ours. ``schedule_settings(args)`` turns a parsed namespace (Megatron-LM's names) into the
+schedule to run, or refuses it before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..schedule import Schedule, ScheduleError, ScheduleSpec, build, names
+from ..schedule.placement import Placement
+
+V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
+# Schedule-core option names, as a Megatron user knows them.
+_FLAG_NAMES = {"--chunks": "--virtual-pipeline-model-parallel-size", "--memory-limit": "--zero-bubble-memory-limit"}
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the zero-bubble group; usable as Megatron-LM's ``extra_args_provider``."""
+    group = parser.add_argument_group(title="zero bubble (megatron-zb)")
+    group.add_argument(
+        "--enable-zero-bubble",
+        action="store_true",
+        help="run an automatic zero-bubble schedule (ZB-1p/ZB-2p-like, memory set by "
+        "--zero-bubble-max-pending-backward) instead of megatron-core's 1F1B",
+    )
+    group.add_argument(
+        "--zero-bubble-v-schedule",
+        action="store_true",
+        help="run a V-shape schedule (two model chunks per rank); implies --enable-zero-bubble",
+    )
+    group.add_argument(
+        "--zero-bubble-v-schedule-mem-setup",
+        choices=sorted(V_MEMORY_SETUPS),
+        default="zb",
+        help="memory of the V schedule: zb (ZB-V, 1F1B's memory), half (V-Half), min (V-Min); default zb",
+    )
+    group.add_argument(
+        "--zero-bubble-max-pending-backward",
+        type=_pending_backward,
+        default=None,
+        metavar="K",
+        help="memory limit of the automatic zero-bubble schedule, in microbatches whose backward is pending: "
+        "pipeline size => ZB-1p, twice the pipeline size => ZB-2p (default: the pipeline size); "
+        "no effect on V schedules",
+    )
+    group.add_argument(
+        "--zero-bubble-pipeline-timers-start-iter",
+        type=int,
+        default=100,
+        help="first iteration whose F/B/W passes are timed to re-plan the schedule (default 100)",
+    )
+    group.add_argument(
+        "--zero-bubble-pipeline-timers-end-iter",
+        type=int,
+        default=110,
+        help="iteration after which the timed passes re-plan the schedule (default 110)",
+    )
+    group.add_argument(
+        "--allow-padding-num-layers",
+        action="store_true",
+        help="let --num-layers + 2 divide by the pipeline blocks: the blocks holding the embedding and the loss "
+        "get one layer fewer",
+    )
+    group.add_argument(
+        "--enable-optimizer-post-validation",
+        action="store_true",
+        help="step the optimizer before the global grad-norm/inf check completes; roll back if it fails",
+    )
+    group.add_argument(
+        "--pipeline-schedule",
+        choices=names(),
+        default=None,
+        metavar="NAME",
+        help=f"run this megatron-zb schedule ({', '.join(names())}); implies --enable-zero-bubble",
+    )
+    group.add_argument(
+        "--zero-bubble-memory-limit",
+        type=float,
+        default=None,
+        metavar="M",
+        help="per-rank activation memory limit of the automatic schedules (zb-auto, v-auto, auto), in one "
+        "microbatch's activations of a full stage (1F1B needs the pipeline size)",
+    )
+    group.add_argument(
+        "--zero-bubble-p2p-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a pipeline send or receive that waits longer fails, naming the rank, pass and microbatch (default 600)",
+    )
+    return parser
+
+
+def _pending_backward(text: str) -> int:
+    if text == "auto":
+        raise argparse.ArgumentTypeError(
+            "'auto' (a limit adapted to free GPU memory) is not supported; give a number of microbatches, "
+            "e.g. the pipeline size (ZB-1p) or twice it (ZB-2p), or use --zero-bubble-memory-limit"
+        )
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of microbatches, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 microbatch, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ZeroBubbleSettings:
+    """What the runtime needs from the flags: one schedule, checked against the model and batch."""
+
+    schedule: str
+    memory_limit: float | None
+    chunks: int | None
+    microbatches: int
+    placement: Placement
+    pad_layers: bool
+    timers: tuple[int, int]
+    post_validation: bool
+    p2p_timeout_s: float
+
+
+def enabled(args: argparse.Namespace) -> bool:
+    return bool(
+        getattr(args, "enable_zero_bubble", False)
+        or getattr(args, "zero_bubble_v_schedule", False)
+        or getattr(args, "pipeline_schedule", None)
+    )
+
+
+def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
+    """The schedule the flags ask for, or None when zero bubble is off; ValueError when it cannot run.
+
+    Reads Megatron-LM's names: pipeline/tensor/context sizes, ``num_layers``, the batch sizes
+    and ``data_parallel_size`` (derive it before calling).
+    """
+    if not enabled(args):
+        _refuse_zero_bubble_only_flags(args)
+        return None
+    if getattr(args, "enable_optimizer_post_validation", False):
+        raise ValueError(
+            "--enable-optimizer-post-validation is not implemented in megatron-zb yet; drop it (the optimizer "
+            "then synchronises every iteration, as in megatron-core)"
+        )
+    name, memory_limit = _schedule_name(args)
+    pp = args.pipeline_model_parallel_size
+    chunks = _virtual_chunks(args)
+    microbatches = _microbatches(args)
+    _refuse_unsupported_models(args)
+    try:
+        schedule = build(name, ScheduleSpec(pp, microbatches, chunks, memory_limit=memory_limit))
+    except ScheduleError as error:
+        raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
+    pad = bool(getattr(args, "allow_padding_num_layers", False))
+    check_layers(args.num_layers, schedule, pad)
+    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+    if end < start:
+        raise ValueError(
+            f"--zero-bubble-pipeline-timers-end-iter ({end}) is before --zero-bubble-pipeline-timers-start-iter "
+            f"({start}); give an end at or after the start"
+        )
+    return ZeroBubbleSettings(
+        schedule=name,
+        memory_limit=memory_limit,
+        chunks=schedule.chunks if schedule.chunks > 1 else None,
+        microbatches=microbatches,
+        placement=schedule.placement,
+        pad_layers=pad,
+        timers=(start, end),
+        post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)),
+        p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
+    )
+
+
+def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
+    """(registered name, memory limit) from the reference flags or --pipeline-schedule."""
+    pp = args.pipeline_model_parallel_size
+    limit = getattr(args, "zero_bubble_memory_limit", None)
+    pending = getattr(args, "zero_bubble_max_pending_backward", None)
+    if limit is not None and pending is not None:
+        raise ValueError(
+            "--zero-bubble-memory-limit and --zero-bubble-max-pending-backward both set a memory limit; give one"
+        )
+    if getattr(args, "zero_bubble_v_schedule", False):
+        implied = V_MEMORY_SETUPS[args.zero_bubble_v_schedule_mem_setup]
+        if pending is not None:
+            raise ValueError(
+                "--zero-bubble-max-pending-backward has no effect on V schedules; choose their memory with "
+                "--zero-bubble-v-schedule-mem-setup {zb,half,min}, or --pipeline-schedule v-auto with "
+                "--zero-bubble-memory-limit"
+            )
+    elif getattr(args, "enable_zero_bubble", False):
+        pending = pending if pending is not None else pp
+        implied = {pp: "zb-1p", 2 * pp: "zb-2p"}.get(pending, "zb-auto")
+        limit = float(pending) if implied == "zb-auto" else limit
+    else:
+        implied = None
+    chosen = getattr(args, "pipeline_schedule", None)
+    if chosen is not None and implied is not None and chosen != implied:
+        raise ValueError(
+            f"--pipeline-schedule {chosen} conflicts with the reference flags, which select {implied}; "
+            f"drop --enable-zero-bubble/--zero-bubble-v-schedule or choose --pipeline-schedule {implied}"
+        )
+    name = chosen or implied
+    if limit is not None and name not in ("zb-auto", "v-auto", "auto"):
+        raise ValueError(
+            f"--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto), "
+            f"not to {name}; drop it or choose one of those"
+        )
+    return name, limit
+
+
+def _virtual_chunks(args: argparse.Namespace) -> int | None:
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_stage is not None:
+        blocks, rest = divmod(args.num_layers, per_stage * args.pipeline_model_parallel_size)
+        if rest or (vp is not None and vp != blocks):
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} does not split --num-layers "
+                f"{args.num_layers} into pipeline size {args.pipeline_model_parallel_size} x chunks; "
+                "give --virtual-pipeline-model-parallel-size instead"
+            )
+        vp = blocks
+    return vp
+
+
+def _microbatches(args: argparse.Namespace) -> int:
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    per_step = args.micro_batch_size * dp
+    global_batch = getattr(args, "global_batch_size", None) or per_step
+    if global_batch % per_step:
+        nearest = per_step * max(1, global_batch // per_step)
+        raise ValueError(
+            f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {args.micro_batch_size} "
+            f"x data-parallel size {dp} = {per_step}; use a multiple such as {nearest}"
+        )
+    return global_batch // per_step
+
+
+def _refuse_unsupported_models(args: argparse.Namespace) -> None:
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ValueError(
+            "megatron-zb schedules do not support --context-parallel-size > 1 yet; use tensor or data parallelism, "
+            "or megatron-core's own schedule (drop the zero-bubble flags)"
+        )
+    if getattr(args, "num_experts", None):
+        raise ValueError(
+            "megatron-zb schedules do not support MoE models (--num-experts) yet; drop --num-experts, or the "
+            "zero-bubble flags to run megatron-core's own schedule"
+        )
+    if getattr(args, "mtp_num_layers", None):
+        raise ValueError("megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet")
+    if getattr(args, "encoder_num_layers", None) and getattr(args, "encoder_num_layers", 0) > 0:
+        raise ValueError("megatron-zb schedules run decoder-only models; encoder layers are not supported")
+
+
+def check_layers(num_layers: int, schedule: Schedule, pad: bool) -> None:
+    """Every block of the placement gets the same number of layers (two fewer in all with padding)."""
+    blocks = schedule.placement.num_stages
+    pp, chunks = schedule.pp, schedule.placement.chunks
+    where = f"pipeline size {pp} x {chunks} chunk(s) per rank = {blocks} blocks ({schedule.name})"
+    if pad:
+        if blocks < 2 or (num_layers + 2) % blocks or (num_layers + 2) // blocks < 2:
+            fits = _nearest(num_layers + 2, blocks, minimum=2 * blocks)
+            raise ValueError(
+                f"--allow-padding-num-layers needs --num-layers + 2 to be a multiple of {where}, with at least one "
+                f"layer on the embedding and loss blocks; got --num-layers {num_layers}, try "
+                f"{' or '.join(str(n - 2) for n in fits)}"
+            )
+        return
+    if num_layers % blocks:
+        fits = _nearest(num_layers, blocks, minimum=blocks)
+        hint = " (or --allow-padding-num-layers)" if (num_layers + 2) % blocks == 0 else ""
+        v_note = " (V needs an even number of layers per pipeline stage)" if schedule.placement.kind == "v" else ""
+        raise ValueError(
+            f"--num-layers {num_layers} does not divide by {where}{v_note}; use --num-layers "
+            f"{' or '.join(map(str, fits))}{hint}"
+        )
+
+
+def _nearest(value: int, step: int, minimum: int) -> list[int]:
+    below, above = (value // step) * step, (value // step + 1) * step
+    return [n for n in (below, above) if n >= minimum] or [minimum]
+
+
+def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
+    for flag, dest in (
+        ("--zero-bubble-max-pending-backward", "zero_bubble_max_pending_backward"),
+        ("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
+    ):
+        if getattr(args, dest, None) is not None:
+            raise ValueError(f"{flag} needs --enable-zero-bubble (or --pipeline-schedule NAME)")
+    if getattr(args, "zero_bubble_v_schedule_mem_setup", "zb") != "zb":
+        raise ValueError("--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule")
+
+
+def _megatron_flags(message: str) -> str:
+    for ours, theirs in _FLAG_NAMES.items():
+        message = message.replace(ours, theirs)
+    return message

@@ -1,0 +1,111 @@
+"""Registration behind megatron-core's ``get_forward_backward_func()``.
+
+Megatron-LM binds the function at import time (``from megatron.core.pipeline_parallel import
+get_forward_backward_func`` in ``megatron.training.training``), so patching ``schedules``
+alone does nothing once training is imported. ``install()`` replaces the attribute in every
+loaded module that holds megatron-core's function, and in the package, so modules imported
+later bind ours: import order does not matter. Ours returns megatron-core's own function
+unless zero bubble is enabled, either by ``configure(settings)`` or by Megatron-LM's parsed
+arguments carrying our flags (``add_args`` as ``extra_args_provider``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from .args import ZeroBubbleSettings, schedule_settings
+
+_original: Callable | None = None
+_configured: list = []  # [settings or None] once configure() was called
+_runners: dict = {}
+_from_args: dict = {}
+
+
+def install() -> None:
+    """Route every bound copy of ``get_forward_backward_func`` through megatron-zb (idempotent)."""
+    global _original
+    from megatron.core.pipeline_parallel import schedules
+
+    if _original is None:
+        _original = schedules.get_forward_backward_func
+    for module in list(sys.modules.values()):
+        if getattr(module, "get_forward_backward_func", None) is _original:
+            module.get_forward_backward_func = get_forward_backward_func
+
+
+def uninstall() -> None:
+    """Put megatron-core's function back everywhere ours was bound."""
+    if _original is None:
+        return
+    ours, this = get_forward_backward_func, sys.modules[__name__]
+    for module in list(sys.modules.values()):
+        if module is not this and getattr(module, "get_forward_backward_func", None) is ours:
+            module.get_forward_backward_func = _original
+
+
+def installed() -> bool:
+    from megatron.core.pipeline_parallel import get_forward_backward_func as bound
+
+    return bound is get_forward_backward_func
+
+
+def configure(settings: ZeroBubbleSettings | None) -> None:
+    """Enable zero bubble with ``settings`` (None: megatron-core's schedules), overriding parsed arguments."""
+    _configured[:] = [settings]
+
+
+def megatron_core_forward_backward_func() -> Callable:
+    """megatron-core's own ``get_forward_backward_func`` (whether or not we are installed)."""
+    if _original is not None:
+        return _original
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules.get_forward_backward_func
+
+
+def get_forward_backward_func(*args, **kwargs):
+    """megatron-zb's runner when zero bubble is enabled, else megatron-core's choice.
+
+    Extra arguments of newer megatron-core versions (``schedule_pg_collection=``, ...) are
+    passed through to megatron-core's function.
+    """
+    settings = active_settings()
+    if settings is None:
+        return megatron_core_forward_backward_func()(*args, **kwargs)
+    return runner_for(settings)
+
+
+def active_settings() -> ZeroBubbleSettings | None:
+    if _configured:
+        return _configured[0]
+    args = _megatron_lm_args()
+    if args is None:
+        return None
+    key = id(args)
+    if key not in _from_args:
+        _from_args.clear()
+        _from_args[key] = schedule_settings(args)
+    return _from_args[key]
+
+
+def runner_for(settings: ZeroBubbleSettings):
+    """One ForwardBackward per settings, so its planned schedules are reused across iterations."""
+    if settings not in _runners:
+        from ..runtime import ForwardBackward
+
+        _runners[settings] = ForwardBackward(
+            settings.schedule,
+            memory_limit=settings.memory_limit,
+            chunks=settings.chunks,
+            timeout_s=settings.p2p_timeout_s,
+            losses_to_last_rank=True,
+        )
+    return _runners[settings]
+
+
+def _megatron_lm_args():
+    """Megatron-LM's parsed arguments when its training package is loaded and they are set."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
+    return args if args is not None and hasattr(args, "enable_zero_bubble") else None

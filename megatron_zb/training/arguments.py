@@ -1,0 +1,208 @@
+"""The launcher's flags: a subset of Megatron-LM's, with its names and defaults, plus ours.
+
+A user's pretrain_gpt command line should run here unchanged for the flags we share; what we
+do not implement is refused by argparse ("unrecognized arguments") rather than ignored.
+``parse(argv)`` also derives what Megatron-LM derives (data-parallel size, FFN size, padded
+vocabulary) and runs every check that needs no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from ..megatron.args import add_args, schedule_settings
+from ..schedule.placement import Placement, linear
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-zb train",
+        description="Train a GPT with megatron-core and a megatron-zb schedule (Megatron-LM's pretrain_gpt flags).",
+    )
+    _model_args(parser)
+    _parallel_args(parser)
+    _training_args(parser)
+    _run_args(parser)
+    add_args(parser)
+    return parser
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model (Megatron-LM names)")
+    group.add_argument("--num-layers", type=int, required=True)
+    group.add_argument("--hidden-size", type=int, required=True)
+    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x --hidden-size")
+    group.add_argument("--num-attention-heads", type=int, required=True)
+    group.add_argument("--seq-length", type=int, required=True)
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    group.add_argument("--vocab-size", type=int, default=None, help="mock data vocabulary (NullTokenizer style)")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--num-experts", type=int, default=None, help="refused: MoE is not supported yet")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default dynamic)")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+
+
+def _parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism (Megatron-LM names)")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training (Megatron-LM names)")
+    group.add_argument("--micro-batch-size", type=int, required=True)
+    group.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
+    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    group.add_argument("--lr", type=float, required=True)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 turns it off")
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--mock-data", action="store_true", help="synthetic learnable token sequences, no files")
+    group.add_argument("--data-path", nargs="*", default=None, help="refused here: use Megatron-LM's pretrain path")
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--save", default=None, help="checkpoint directory")
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+
+
+def _run_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("launcher (megatron-zb)")
+    group.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run on CPU: spawn --cpu-procs gloo processes here (no torchrun needed)",
+    )
+    group.add_argument("--cpu-procs", type=int, default=None, help="--cpu: processes (default: tensor x pipeline)")
+    group.add_argument("--cpu-threads", type=int, default=1, help="--cpu: torch threads per process (default 1)")
+    group.add_argument("--metrics-file", default=None, help="append one JSON line per iteration to this file")
+    group.add_argument("--trace-file", default=None, help="write a Chrome/Perfetto trace of one iteration's passes")
+    group.add_argument("--trace-iteration", type=int, default=None, help="iteration to trace (default: the last)")
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse, derive Megatron-LM's computed values, and refuse what cannot run (SystemExit with the reason)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        derive_and_check(args)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    return args
+
+
+def derive_and_check(args: argparse.Namespace) -> None:
+    """Fill derived fields and refuse bad combinations; ValueError names the flags."""
+    world = _world_size(args)
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ValueError(
+            f"{world} processes do not split into tensor ({args.tensor_model_parallel_size}) x pipeline "
+            f"({args.pipeline_model_parallel_size}) groups; use a multiple of {model_parallel}"
+        )
+    args.world_size = world
+    args.data_parallel_size = world // model_parallel
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.data_parallel_size
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _check_data(args)
+    _check_model(args)
+    args.padded_vocab_size = padded_vocab(args.vocab_size, args.make_vocab_size_divisible_by, args)
+    args.zero_bubble = schedule_settings(args)
+    args.placement = placement_of(args)
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    import os
+
+    if args.cpu:
+        procs = args.cpu_procs or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        if procs < 1:
+            raise ValueError(f"--cpu-procs must be at least 1, got {procs}")
+        return procs
+    if args.cpu_procs is not None:
+        raise ValueError("--cpu-procs needs --cpu (on GPUs the process count comes from torchrun/srun)")
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    if args.data_path:
+        raise ValueError(
+            "--data-path: this launcher trains on --mock-data only; run Megatron-LM's pretrain_gpt.py with "
+            "megatron-zb's patch (patches/) for real datasets"
+        )
+    if not args.mock_data:
+        raise ValueError("give --mock-data (synthetic sequences); real datasets run through Megatron-LM's pretrain")
+    if args.vocab_size is None:
+        raise ValueError("--mock-data needs --vocab-size (as Megatron-LM's NullTokenizer does)")
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 are exclusive; choose one")
+    if args.num_attention_heads % args.tensor_model_parallel_size:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} does not divide by --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size}"
+        )
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and args.cpu:
+        raise ValueError(
+            "--sequence-parallel does not run on --cpu: megatron-core's local layer spec needs NVIDIA apex's "
+            "LayerNorm for it; drop --sequence-parallel or run on GPUs"
+        )
+    if args.save_interval is not None and not args.save:
+        raise ValueError("--save-interval needs --save DIRECTORY")
+    if args.trace_iteration is not None and not args.trace_file:
+        raise ValueError("--trace-iteration needs --trace-file FILE")
+    if args.trace_iteration is not None and not 1 <= args.trace_iteration <= args.train_iters:
+        raise ValueError(f"--trace-iteration must be between 1 and --train-iters {args.train_iters}")
+
+
+def padded_vocab(vocab: int, divisible_by: int, args: argparse.Namespace) -> int:
+    """Megatron-LM's padding: a multiple of divisible_by x tensor-parallel size."""
+    multiple = divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def placement_of(args: argparse.Namespace) -> Placement:
+    """Where the layer blocks go: the schedule's placement, or megatron-core's for its own schedules."""
+    if args.zero_bubble is not None:
+        return args.zero_bubble.placement
+    from ..megatron.args import check_layers
+    from ..schedule import ScheduleSpec, build
+
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if vp is None and args.num_layers_per_virtual_pipeline_stage:
+        vp = args.num_layers // (args.num_layers_per_virtual_pipeline_stage * pp)
+    if vp is not None and vp > 1:
+        reference = build("interleaved-1f1b", ScheduleSpec(pp, max(pp, 1), vp))
+    else:
+        reference = build("1f1b", ScheduleSpec(pp, 1))
+    check_layers(args.num_layers, reference, bool(args.allow_padding_num_layers))
+    return reference.placement if pp > 1 else linear(1)

@@ -1,0 +1,147 @@
+"""The zero-bubble flags: what each combination selects, and the message of every refusal."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_zb.megatron.args import add_args, schedule_settings
+from megatron_zb.training.arguments import build_parser, derive_and_check, parse
+
+BASE = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    "--global-batch-size 16 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 64 --cpu "
+    "--pipeline-model-parallel-size 4"
+).split()
+
+
+def settings(extra: str):
+    args = build_parser().parse_args(BASE + extra.split())
+    derive_and_check(args)
+    return args
+
+
+def refusal(extra: str) -> str:
+    with pytest.raises(ValueError) as error:
+        settings(extra)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    "extra, schedule, limit, kind",
+    [
+        ("--enable-zero-bubble", "zb-1p", None, "linear"),
+        ("--enable-zero-bubble --zero-bubble-max-pending-backward 4", "zb-1p", None, "linear"),
+        ("--enable-zero-bubble --zero-bubble-max-pending-backward 8", "zb-2p", None, "linear"),
+        ("--enable-zero-bubble --zero-bubble-max-pending-backward 6", "zb-auto", 6.0, "linear"),
+        ("--zero-bubble-v-schedule", "zb-v", None, "v"),
+        ("--zero-bubble-v-schedule --enable-zero-bubble", "zb-v", None, "v"),
+        ("--zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup half", "v-half", None, "v"),
+        ("--zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup min", "v-min", None, "v"),
+        ("--pipeline-schedule zb-h1", "zb-h1", None, "linear"),
+        ("--pipeline-schedule zb-v --zero-bubble-v-schedule", "zb-v", None, "v"),
+        ("--pipeline-schedule v-auto --zero-bubble-memory-limit 3", "v-auto", 3.0, "v"),
+        (
+            "--pipeline-schedule interleaved-1f1b --virtual-pipeline-model-parallel-size 2",
+            "interleaved-1f1b",
+            None,
+            "interleaved",
+        ),
+        (
+            "--pipeline-schedule interleaved-1f1b --num-layers-per-virtual-pipeline-stage 1",
+            "interleaved-1f1b",
+            None,
+            "interleaved",
+        ),
+    ],
+)
+def test_flags_select_the_schedule(extra: str, schedule: str, limit, kind: str) -> None:
+    args = settings(extra)
+    assert args.zero_bubble.schedule == schedule
+    assert args.zero_bubble.memory_limit == limit
+    assert args.zero_bubble.microbatches == 8
+    assert args.placement.kind == kind
+
+
+def test_disabled_selects_nothing_and_keeps_megatron_placement() -> None:
+    args = settings("")
+    assert args.zero_bubble is None
+    assert args.placement.kind == "linear"
+    assert settings("--virtual-pipeline-model-parallel-size 2").placement.kind == "interleaved"
+
+
+def test_microbatches_come_from_batch_sizes_and_data_parallel() -> None:
+    args = settings("--pipeline-schedule zb-h1 --cpu-procs 8 --global-batch-size 32")
+    assert (args.data_parallel_size, args.zero_bubble.microbatches) == (2, 8)
+
+
+def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
+    args = settings("--zero-bubble-v-schedule --num-layers 14 --allow-padding-num-layers")
+    assert args.zero_bubble.pad_layers and args.placement.kind == "v"
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("--pipeline-schedule zb-v --num-layers 12", ["--num-layers 12", "8 blocks", "even number", "8 or 16"]),
+        ("--enable-zero-bubble --num-layers 6", ["--num-layers 6", "4 blocks", "4 or 8", "--allow-padding-num-layers"]),
+        ("--zero-bubble-v-schedule --num-layers 6 --allow-padding-num-layers", ["--num-layers + 2", "try 14"]),
+        (
+            "--pipeline-schedule interleaved-1f1b --virtual-pipeline-model-parallel-size 2 --global-batch-size 10",
+            ["interleaved-1f1b", "multiple of pp=4", "got 5"],
+        ),
+        (
+            "--pipeline-schedule zb-v --virtual-pipeline-model-parallel-size 4",
+            ["two chunks", "--virtual-pipeline-model-parallel-size 4"],
+        ),
+        ("--pipeline-schedule zb-h2 --zero-bubble-memory-limit 3", ["--zero-bubble-memory-limit", "zb-h2"]),
+        ("--pipeline-schedule zb-auto --zero-bubble-memory-limit 0.5", ["--zero-bubble-memory-limit", "0.5"]),
+        ("--enable-zero-bubble --pipeline-schedule zb-v", ["conflicts", "zb-1p"]),
+        ("--zero-bubble-v-schedule --zero-bubble-max-pending-backward 8", ["no effect on V", "mem-setup"]),
+        ("--zero-bubble-max-pending-backward 8", ["needs --enable-zero-bubble"]),
+        ("--zero-bubble-v-schedule-mem-setup half", ["needs --zero-bubble-v-schedule"]),
+        ("--enable-zero-bubble --context-parallel-size 2", ["--context-parallel-size"]),
+        ("--enable-zero-bubble --num-experts 4", ["MoE", "--num-experts"]),
+        ("--enable-zero-bubble --enable-optimizer-post-validation", ["--enable-optimizer-post-validation"]),
+        ("--enable-zero-bubble --global-batch-size 15", ["--global-batch-size 15", "multiple"]),
+        (
+            "--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 5 --zero-bubble-pipeline-timers-end-iter 3",
+            ["--zero-bubble-pipeline-timers-end-iter (3)"],
+        ),
+        ("--enable-zero-bubble --tensor-model-parallel-size 2 --cpu-procs 6", ["6 processes", "multiple of 8"]),
+        ("--enable-zero-bubble --tensor-model-parallel-size 2 --sequence-parallel", ["--sequence-parallel", "apex"]),
+        ("--enable-zero-bubble --tensor-model-parallel-size 3 --cpu-procs 12", ["--num-attention-heads 4"]),
+        ("--enable-zero-bubble --fp16 --bf16", ["--fp16 and --bf16"]),
+        ("--enable-zero-bubble --data-path /data/x", ["--data-path", "--mock-data"]),
+        ("--trace-iteration 3", ["--trace-file"]),
+        ("--save-interval 5", ["--save"]),
+    ],
+)
+def test_refusals_name_the_flags_and_what_works(extra: str, words: list[str]) -> None:
+    message = refusal(extra)
+    for word in words:
+        assert word in message, message
+
+
+def test_pending_backward_auto_is_refused_by_the_parser(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(BASE + ["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "auto"])
+    assert "'auto'" in capsys.readouterr().err
+
+
+def test_refusal_exits_with_one_short_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse(BASE + ["--pipeline-schedule", "zb-v", "--num-layers", "12"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-zb train: error: --num-layers 12") and "usage" not in err
+
+
+def test_add_args_works_as_an_extra_args_provider_on_its_own() -> None:
+    """Megatron-LM's parse_args hands its parser to extra_args_provider; the names must be the reference's."""
+    parser = add_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "8"])
+    args.pipeline_model_parallel_size, args.num_layers = 4, 8
+    args.micro_batch_size, args.global_batch_size, args.data_parallel_size = 1, 8, 1
+    assert schedule_settings(args).schedule == "zb-2p"
