@@ -98,6 +98,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     _add_compare_args(compare)
     commands.add_parser("list", help="the registered schedules, one line each")
+    commands.add_parser(
+        "train",
+        help="train a GPT on megatron-core with a schedule (pretrain_gpt flags; --cpu spawns gloo processes); "
+        "`megatron-zb train --help` lists them",
+        add_help=False,
+    )
     return parser
 
 
@@ -175,6 +181,11 @@ def run_compare(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        from .pretrain_gpt import main as train  # needs torch and megatron-core
+
+        return train(argv[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.command == "list":

@@ -87,6 +87,9 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save", default=None, help="checkpoint directory")
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+    group.add_argument(
+        "--exit-interval", type=int, default=None, help="stop after an iteration divisible by this (saving with --save)"
+    )
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +101,12 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--cpu-procs", type=int, default=None, help="--cpu: processes (default: tensor x pipeline)")
     group.add_argument("--cpu-threads", type=int, default=1, help="--cpu: torch threads per process (default 1)")
+    group.add_argument(
+        "--megatron-lm",
+        action="store_true",
+        help="run Megatron-LM's pretrain() with these flags instead of this loop (needs a Megatron-LM checkout on "
+        "PYTHONPATH or in MEGATRON_LM_PATH; real datasets, no V schedules)",
+    )
     group.add_argument("--metrics-file", default=None, help="append one JSON line per iteration to this file")
     group.add_argument("--trace-file", default=None, help="write a Chrome/Perfetto trace of one iteration's passes")
     group.add_argument("--trace-iteration", type=int, default=None, help="iteration to trace (default: the last)")

@@ -1,0 +1,156 @@
+"""Everything one rank trains with, built from the launcher's arguments on megatron-core.
+
+The model is cut by the schedule's placement (V puts the embedding and the loss on rank 0)
+and initialised per layer, not per rank, so the same ``--seed`` gives the same model under
+every schedule, pipeline and tensor-parallel size: runs can be compared loss for loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Trainee:
+    config: object  # TransformerConfig
+    chunks: list  # DDP-wrapped model chunks, in chunk order
+    optimizer: object  # megatron-core ChainedOptimizer
+    scheduler: object  # OptimizerParamScheduler
+    device: torch.device
+
+
+def init_parallel(args: argparse.Namespace) -> None:
+    from megatron.core import parallel_state
+
+    from ..megatron.gpt_model import embedding_ranks
+
+    chunks = args.placement.chunks
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
+        get_embedding_ranks=embedding_ranks(args.placement),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+
+
+def transformer_config(args: argparse.Namespace, gloo: bool):
+    from megatron.core.transformer import TransformerConfig
+
+    from ..megatron.layout import layer_layout
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    chunks = args.placement.chunks
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
+        pipeline_model_parallel_layout=layer_layout(args.num_layers, args.placement, args.allow_padding_num_layers),
+        sequence_parallel=args.sequence_parallel,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        use_cpu_initialization=True,
+        deallocate_pipeline_outputs=True,
+        batch_p2p_sync=not gloo,
+        gradient_accumulation_fusion=False,
+    )
+    return config
+
+
+def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee:
+    """Model chunks (initialised, wrapped, on ``device``), optimizer and LR schedule for this rank."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    from ..megatron.gpt_model import build_gpt_chunks, fix_float16_output_cast, tied_embedding_finalize
+    from ..megatron.init import placement_independent_init
+
+    config = transformer_config(args, gloo)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = build_gpt_chunks(
+        config,
+        args.placement,
+        rank,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
+    placement_independent_init(chunks, config, args.seed)
+    chunks = [chunk.to(device) for chunk in chunks]
+    if args.fp16 or args.bf16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+        fix_float16_output_cast(chunks, args.placement, rank)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    chunks = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+    config.finalize_model_grads_func = tied_embedding_finalize(finalize_model_grads, args.placement)
+    optimizer = _optimizer(args, config, chunks)
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+    return Trainee(config, chunks, optimizer, _scheduler(args, optimizer), device)
+
+
+def _optimizer(args: argparse.Namespace, config, chunks: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer_config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=config.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(optimizer_config, chunks)
+
+
+def _scheduler(args: argparse.Namespace, optimizer):
+    """Megatron-LM's schedule, counted in samples as its training loop does."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    samples = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant",
+    )

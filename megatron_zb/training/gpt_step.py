@@ -1,0 +1,46 @@
+"""pretrain_gpt's forward step and loss: only the chunks with the embedding or the loss read a batch."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """(sum of masked token losses, token count, {"lm loss": [sum, count]}) as Megatron-LM's pretrain_gpt."""
+    losses = output.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.detach().float()])}
+
+
+def forward_step(data_iterator, model):
+    """Read the next microbatch where the chunk needs it: tokens for the embedding, labels for the loss."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    pre = get_attr_wrapped_model(model, "pre_process")
+    post = get_attr_wrapped_model(model, "post_process")
+    batch = next(data_iterator) if (pre or post) else None
+    output = model(
+        batch["tokens"] if pre else None,
+        batch["position_ids"] if pre else None,
+        None,
+        labels=batch["labels"] if post else None,
+    )
+    return output, partial(loss_func, batch["loss_mask"] if post else None)
+
+
+def reduce_losses(loss_dicts: list[dict], dp_group) -> dict[str, float]:
+    """Token-weighted mean of each logged loss over the microbatches and the data-parallel replicas."""
+    import torch.distributed as dist
+
+    if not loss_dicts:
+        return {}
+    found = {}
+    for key in loss_dicts[0]:
+        total = torch.stack([d[key].float().reshape(-1)[:2] for d in loss_dicts]).sum(dim=0)
+        dist.all_reduce(total, group=dp_group)
+        found[key] = float(total[0] / total[1].clamp(min=1))
+    return found

@@ -1,0 +1,211 @@
+"""The training loop: Megatron-LM's train_step reduced to what a pipeline schedule needs.
+
+Every iteration calls ``get_forward_backward_func()`` (megatron-zb's runner once
+``install()`` ran and a schedule is enabled, megatron-core's otherwise), steps the optimizer
+and logs in Megatron-LM's style on the last pipeline rank, where the losses arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from .build import Trainee
+from .data import MockData
+from .gpt_step import forward_step, reduce_losses
+
+log = logging.getLogger("megatron_zb.train")
+
+
+def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
+    """Run iterations after the loaded checkpoint up to ``--train-iters``; returns the logged rows."""
+    from megatron.core import parallel_state
+
+    from ..megatron.install import runner_for
+    from ..runtime import PassProfiler
+    from . import measured
+    from .checkpoint import load_checkpoint, save_checkpoint
+
+    start = _resume(args, trainee, load_checkpoint)
+    data = MockData(
+        args.padded_vocab_size,
+        args.seq_length,
+        args.micro_batch_size,
+        args.global_batch_size,
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+        args.seed,
+    )
+    profiler = PassProfiler(trainee.device)
+    runner = runner_for(args.zero_bubble) if args.zero_bubble is not None else None
+    if runner is not None:
+        runner.profiler = profiler
+    logger = _IterationLog(args, runner)
+    rows = []
+    for iteration in range(start + 1, args.train_iters + 1):
+        measure = runner is not None and _measured(args, iteration, trainee.device)
+        if measure:
+            profiler.iteration = iteration
+            profiler.start()
+        row = _train_step(args, trainee, data, iteration)
+        profiler.stop()
+        if measure:
+            row["bubble_rate"] = measured.pipeline_bubble(
+                profiler.records,
+                iteration,
+                row.pop("fb_start"),
+                row.pop("fb_end"),
+                parallel_state.get_pipeline_model_parallel_group(),
+            )[0]
+            if iteration == _trace_iteration(args):
+                _write_trace(args, profiler, iteration, measured)
+            profiler.records.clear()
+        row.pop("fb_start", None), row.pop("fb_end", None)
+        rows.append(logger.record(row))
+        stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        if args.save and (
+            stop or iteration == args.train_iters or (args.save_interval and iteration % args.save_interval == 0)
+        ):
+            save_checkpoint(args.save, iteration, trainee.chunks, trainee.optimizer, trainee.scheduler, _extra(args))
+        if stop:
+            break
+    logger.close()
+    return rows
+
+
+def _train_step(args: argparse.Namespace, trainee: Trainee, data: MockData, iteration: int) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    started = time.perf_counter()
+    for chunk in trainee.chunks:
+        chunk.zero_grad_buffer()
+    trainee.optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    iterators = [data.iterator(iteration, trainee.device) for _ in trainee.chunks]
+    fb_start = time.perf_counter()
+    losses = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=trainee.chunks,
+        num_microbatches=data.microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    fb_end = time.perf_counter()
+    succeeded, grad_norm, _ = trainee.optimizer.step()
+    if succeeded:
+        trainee.scheduler.step(increment=args.global_batch_size)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    reduced = reduce_losses(losses, parallel_state.get_data_parallel_group()) if last else {}
+    return {
+        "iteration": iteration,
+        "loss": reduced.get("lm loss"),
+        "iteration_time_s": time.perf_counter() - started,
+        "fb_start": fb_start,
+        "fb_end": fb_end,
+        "lr": trainee.optimizer.param_groups[0]["lr"],
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "skipped": not succeeded,
+        "loss_scale": float(trainee.optimizer.get_loss_scale()),
+    }
+
+
+def _measured(args: argparse.Namespace, iteration: int, device: torch.device) -> bool:
+    """On CPU every iteration; on GPUs (timing synchronises the device) only logged or traced ones."""
+    if device.type == "cpu":
+        return True
+    return iteration % args.log_interval == 0 or iteration == _trace_iteration(args)
+
+
+def _trace_iteration(args: argparse.Namespace) -> int | None:
+    if not args.trace_file:
+        return None
+    return args.trace_iteration or args.train_iters
+
+
+def _write_trace(args: argparse.Namespace, profiler, iteration: int, measured) -> None:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered = measured.gather_records(profiler.records, iteration, group)
+    if gathered is not None:
+        measured.write_measured_trace(args.trace_file, gathered, args.zero_bubble.schedule)
+        log.info("wrote the measured passes of iteration %d to %s", iteration, args.trace_file)
+
+
+def _resume(args: argparse.Namespace, trainee: Trainee, load_checkpoint) -> int:
+    if not args.load:
+        return 0
+    try:
+        iteration, _ = load_checkpoint(args.load, trainee.chunks, trainee.optimizer, trainee.scheduler)
+    except FileNotFoundError as error:
+        if dist.get_rank() == 0:
+            log.warning("%s; starting from iteration 0", error)
+        return 0
+    if dist.get_rank() == 0:
+        log.info("resumed from %s at iteration %d", args.load, iteration)
+    return iteration
+
+
+def _extra(args: argparse.Namespace) -> dict:
+    return {"schedule": args.zero_bubble.schedule if args.zero_bubble else "megatron-core", "seed": args.seed}
+
+
+class _IterationLog:
+    """Megatron-LM-style lines every --log-interval, a JSON line per iteration with --metrics-file."""
+
+    def __init__(self, args: argparse.Namespace, runner):
+        from megatron.core import parallel_state
+
+        from .measured import MetricsWriter
+
+        self.args = args
+        self.schedule = args.zero_bubble.schedule if args.zero_bubble else "megatron-core default"
+        self.logs = (
+            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0
+        )
+        self.metrics = MetricsWriter(args.metrics_file) if self.logs and args.metrics_file else None
+        self.window: list[dict] = []
+
+    def record(self, row: dict) -> dict:
+        if not self.logs:
+            return row
+        if self.metrics is not None:
+            self.metrics.write({**row, "schedule": self.schedule})
+        self.window.append(row)
+        if row["iteration"] % self.args.log_interval == 0 or row["iteration"] == self.args.train_iters:
+            log.info(self._line(row))
+            self.window.clear()
+        return row
+
+    def _line(self, row: dict) -> str:
+        window = self.window or [row]
+        step_ms = 1000 * sum(r["iteration_time_s"] for r in window) / len(window)
+        bubbles = [r["bubble_rate"] for r in window if r.get("bubble_rate") is not None]
+        parts = [
+            f"iteration {row['iteration']:8d}/{self.args.train_iters:8d}",
+            f"consumed samples: {row['iteration'] * self.args.global_batch_size:12d}",
+            f"elapsed time per iteration (ms): {step_ms:.1f}",
+            f"learning rate: {row['lr']:.6E}",
+            f"global batch size: {self.args.global_batch_size:5d}",
+            f"lm loss: {row['loss']:.6E}",
+            f"loss scale: {row['loss_scale']:.1f}",
+        ]
+        if row["grad_norm"] is not None:
+            parts.append(f"grad norm: {row['grad_norm']:.3f}")
+        if bubbles:
+            parts.append(f"measured bubble: {100 * sum(bubbles) / len(bubbles):.1f}%")
+        parts.append(f"schedule: {self.schedule}")
+        return " " + " | ".join(parts) + " |"
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
