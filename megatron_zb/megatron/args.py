@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..schedule import Schedule, ScheduleError, ScheduleSpec, build, names
 from ..schedule.placement import Placement
+from .layer_split import layers_per_block
 
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
 # Schedule-core option names, as a Megatron user knows them.
@@ -262,32 +263,11 @@ def _refuse_unsupported_models(args: argparse.Namespace) -> None:
 
 
 def check_layers(num_layers: int, schedule: Schedule, pad: bool) -> None:
-    """Every block of the placement gets the same number of layers (two fewer in all with padding)."""
-    blocks = schedule.placement.num_stages
-    pp, chunks = schedule.pp, schedule.placement.chunks
-    where = f"pipeline size {pp} x {chunks} chunk(s) per rank = {blocks} blocks ({schedule.name})"
-    if pad:
-        if blocks < 2 or (num_layers + 2) % blocks or (num_layers + 2) // blocks < 2:
-            fits = _nearest(num_layers + 2, blocks, minimum=2 * blocks)
-            raise ValueError(
-                f"--allow-padding-num-layers needs --num-layers + 2 to be a multiple of {where}, with at least one "
-                f"layer on the embedding and loss blocks; got --num-layers {num_layers}, try "
-                f"{' or '.join(str(n - 2) for n in fits)}"
-            )
-        return
-    if num_layers % blocks:
-        fits = _nearest(num_layers, blocks, minimum=blocks)
-        hint = " (or --allow-padding-num-layers)" if (num_layers + 2) % blocks == 0 else ""
-        v_note = " (V needs an even number of layers per pipeline stage)" if schedule.placement.kind == "v" else ""
-        raise ValueError(
-            f"--num-layers {num_layers} does not divide by {where}{v_note}; use --num-layers "
-            f"{' or '.join(map(str, fits))}{hint}"
-        )
-
-
-def _nearest(value: int, step: int, minimum: int) -> list[int]:
-    below, above = (value // step) * step, (value // step + 1) * step
-    return [n for n in (below, above) if n >= minimum] or [minimum]
+    """Every block of the schedule's placement gets its layers (two fewer in all with padding)."""
+    try:
+        layers_per_block(num_layers, schedule.placement, pad)
+    except ValueError as error:
+        raise ValueError(f"{schedule.name}: {error}") from None
 
 
 def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:

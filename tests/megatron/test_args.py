@@ -84,9 +84,18 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
 @pytest.mark.parametrize(
     "extra, words",
     [
-        ("--pipeline-schedule zb-v --num-layers 12", ["--num-layers 12", "8 blocks", "even number", "8 or 16"]),
-        ("--enable-zero-bubble --num-layers 6", ["--num-layers 6", "4 blocks", "4 or 8", "--allow-padding-num-layers"]),
-        ("--zero-bubble-v-schedule --num-layers 6 --allow-padding-num-layers", ["--num-layers + 2", "try 14"]),
+        (
+            "--pipeline-schedule zb-v --num-layers 12",
+            ["zb-v: --num-layers 12", "8 layer blocks", "even number", "8 or 16"],
+        ),
+        (
+            "--enable-zero-bubble --num-layers 6",
+            ["--num-layers 6", "4 layer blocks", "4 or 8", "--allow-padding-num-layers", "fits this count"],
+        ),
+        (
+            "--zero-bubble-v-schedule --num-layers 6 --allow-padding-num-layers",
+            ["--allow-padding-num-layers is on", "at least one layer each", "--num-layers 14"],
+        ),
         (
             "--pipeline-schedule interleaved-1f1b --virtual-pipeline-model-parallel-size 2 --global-batch-size 10",
             ["interleaved-1f1b", "multiple of pp=4", "got 5"],
@@ -135,7 +144,7 @@ def test_refusal_exits_with_one_short_line(capsys) -> None:
         parse(BASE + ["--pipeline-schedule", "zb-v", "--num-layers", "12"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("megatron-zb train: error: --num-layers 12") and "usage" not in err
+    assert err.startswith("megatron-zb train: error: zb-v: --num-layers 12") and "usage" not in err
 
 
 def test_add_args_works_as_an_extra_args_provider_on_its_own() -> None:
