@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 from collections.abc import Sequence
 
@@ -41,9 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _spawn_cpu(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    # The rendezvous store lives here for the whole run: its port cannot be taken meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     try:
         mp.spawn(_cpu_worker, args=(args, port, list(sys.path)), nprocs=args.world_size, join=True)
     except mp.ProcessRaisedException as error:
@@ -68,7 +70,8 @@ def _cpu_worker(rank: int, args: argparse.Namespace, port: int, path: list[str])
 
     torch.set_num_threads(args.cpu_threads)
     cpu.enable()
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size)
     _configure_logging()
     try:
         run_rank(args, torch.device("cpu"), gloo=True)
@@ -147,12 +150,6 @@ def _log_setup(args: argparse.Namespace) -> None:
         schedule,
         args.global_batch_size // (args.micro_batch_size * args.data_parallel_size),
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -40,8 +40,6 @@ def init_parallel(args: argparse.Namespace) -> None:
 def transformer_config(args: argparse.Namespace, gloo: bool):
     from megatron.core.transformer import TransformerConfig
 
-    from ..megatron.layout import layer_layout
-
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     chunks = args.placement.chunks
     config = TransformerConfig(
@@ -52,7 +50,7 @@ def transformer_config(args: argparse.Namespace, gloo: bool):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
-        pipeline_model_parallel_layout=layer_layout(args.num_layers, args.placement, args.allow_padding_num_layers),
+        pipeline_model_parallel_layout=_layout(args),
         sequence_parallel=args.sequence_parallel,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
@@ -67,6 +65,15 @@ def transformer_config(args: argparse.Namespace, gloo: bool):
         gradient_accumulation_fusion=False,
     )
     return config
+
+
+def _layout(args: argparse.Namespace):
+    """Our layout where megatron's own split differs (V, padding); megatron's otherwise."""
+    from ..megatron.layout import layer_layout
+
+    if args.placement.kind == "v" or args.allow_padding_num_layers:
+        return layer_layout(args.num_layers, args.placement, args.allow_padding_num_layers)
+    return None
 
 
 def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee:

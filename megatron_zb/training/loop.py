@@ -26,7 +26,7 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
     from megatron.core import parallel_state
 
     from ..megatron.install import runner_for
-    from ..runtime import PassProfiler
+    from ..runtime.profiler import PassProfiler
     from . import measured
     from .checkpoint import load_checkpoint, save_checkpoint
 
@@ -60,7 +60,7 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
                 row.pop("fb_start"),
                 row.pop("fb_end"),
                 parallel_state.get_pipeline_model_parallel_group(),
-            )[0]
+            ).mean
             if iteration == _trace_iteration(args):
                 _write_trace(args, profiler, iteration, measured)
             profiler.records.clear()
@@ -135,7 +135,7 @@ def _write_trace(args: argparse.Namespace, profiler, iteration: int, measured) -
     group = parallel_state.get_pipeline_model_parallel_group()
     gathered = measured.gather_records(profiler.records, iteration, group)
     if gathered is not None:
-        measured.write_measured_trace(args.trace_file, gathered, args.zero_bubble.schedule)
+        measured.write_measured_trace(args.trace_file, gathered, args.zero_bubble.schedule, iteration)
         log.info("wrote the measured passes of iteration %d to %s", iteration, args.trace_file)
 
 
@@ -172,14 +172,14 @@ class _IterationLog:
             and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0
         )
-        self.metrics = MetricsWriter(args.metrics_file) if self.logs and args.metrics_file else None
+        self.metrics = MetricsWriter(args.metrics_file, enabled=True) if self.logs and args.metrics_file else None
         self.window: list[dict] = []
 
     def record(self, row: dict) -> dict:
         if not self.logs:
             return row
         if self.metrics is not None:
-            self.metrics.write({**row, "schedule": self.schedule})
+            self.metrics.write(**row, schedule=self.schedule)
         self.window.append(row)
         if row["iteration"] % self.args.log_interval == 0 or row["iteration"] == self.args.train_iters:
             log.info(self._line(row))
