@@ -1,0 +1,121 @@
+"""The launcher trains the same model whatever the schedule, and resumes exactly from a checkpoint.
+
+pp=4 runs the real command, ``megatron-zb train --cpu`` (which spawns its gloo processes);
+pp=2 x dp=2 and pp=2 x tp=2 run the same entry point (``run_rank``) inside one worker pool,
+so they pay the megatron-core import once. Each setting trains 1f1b, zb-2p and zb-v for 10
+iterations from one seed, then zb-v again stopping at 5 with a checkpoint and resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_zb.testing.pool import WorkerPool
+from megatron_zb.training.arguments import parse
+
+TOLERANCE = 1e-5
+SCHEDULES = ("1f1b", "zb-2p", "zb-v")
+MODEL = (
+    "--cpu --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 --mock-data "
+    "--micro-batch-size 2 --train-iters 10 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --min-lr 3e-4 "
+    "--hidden-dropout 0 --attention-dropout 0 --log-interval 5 --seed 7"
+)
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def check_runs(full: dict[str, dict[int, float]], first: dict[int, float], resumed: dict[int, float]) -> None:
+    reference = full["1f1b"]
+    assert sorted(reference) == list(range(1, 11))
+    assert reference[10] < reference[1], "training must lower the loss"
+    for name, losses in full.items():
+        worst = max(relative(losses[i], reference[i]) for i in reference)
+        assert worst <= TOLERANCE, f"{name}: loss differs from 1f1b's by {worst:.2e} relative"
+    assert sorted(first) == [1, 2, 3, 4, 5]
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[i] == full["zb-v"][i] for i in resumed), (resumed, full["zb-v"])
+
+
+def cli(flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_zb", "train", *MODEL.split(), *flags.split()]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def losses_of(path: Path) -> dict[int, float]:
+    return {row["iteration"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
+
+
+def test_cli_pp4_schedules_agree_and_resume_exactly(tmp_path: Path) -> None:
+    pp = "--pipeline-model-parallel-size 4 --global-batch-size 16"
+    full = {}
+    for name in SCHEDULES:
+        metrics = tmp_path / f"{name}.jsonl"
+        extra = f" --trace-file {tmp_path / 'trace.json'}" if name == "zb-v" else ""
+        done = cli(f"{pp} --pipeline-schedule {name} --metrics-file {metrics}{extra}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        full[name] = losses_of(metrics)
+    assert "iteration       10/      10" in done.stdout and "measured bubble" in done.stdout
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    forwards = [event["tid"] for event in trace["traceEvents"] if event.get("ph") == "X" and event["cat"] == "F"]
+    assert sorted(set(forwards)) == [0, 1, 2, 3]  # one track per pipeline rank
+    assert all(forwards.count(rank) == 16 for rank in range(4))  # two V chunks x 8 microbatches
+    saved = tmp_path / "checkpoints"
+    done = cli(f"{pp} --pipeline-schedule zb-v --exit-interval 5 --save {saved} --metrics-file {tmp_path / 'a.jsonl'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    done = cli(f"{pp} --pipeline-schedule zb-v --load {saved} --metrics-file {tmp_path / 'b.jsonl'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    check_runs(full, losses_of(tmp_path / "a.jsonl"), losses_of(tmp_path / "b.jsonl"))
+
+
+def test_cli_refuses_before_starting_any_process() -> None:
+    done = cli("--pipeline-model-parallel-size 4 --pipeline-schedule zb-v --num-layers 12")
+    assert done.returncode == 2
+    assert done.stderr.startswith("megatron-zb train: error: zb-v: --num-layers 12") and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(4)
+    yield workers
+    workers.close()
+
+
+def train_case(args) -> dict[int, float]:
+    import torch
+
+    from megatron_zb.pretrain_gpt import run_rank
+
+    rows = run_rank(args, torch.device("cpu"), gloo=True)
+    return {row["iteration"]: row["loss"] for row in rows if row["loss"] is not None}
+
+
+def pool_losses(pool: WorkerPool, argv: str) -> dict[int, float]:
+    args = parse((MODEL + " --cpu-procs 4 " + argv).split())
+    found = [losses for losses in pool.run(train_case, args=args) if losses]
+    assert found and all(losses == found[0] for losses in found), "the last pipeline ranks agree on the losses"
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "--pipeline-model-parallel-size 2 --global-batch-size 16 --use-distributed-optimizer --overlap-grad-reduce",
+        "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --global-batch-size 8",
+    ],
+    ids=["pp2xdp2-distopt", "pp2xtp2"],
+)
+def test_pp2_with_data_or_tensor_parallel(pool: WorkerPool, setting: str, tmp_path: Path) -> None:
+    full = {name: pool_losses(pool, f"{setting} --pipeline-schedule {name}") for name in SCHEDULES}
+    saved = tmp_path / "checkpoints"
+    first = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --exit-interval 5 --save {saved}")
+    resumed = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --load {saved}")
+    check_runs(full, first, resumed)
