@@ -117,7 +117,7 @@ def run_rank(args: argparse.Namespace, device, gloo: bool) -> list[dict]:
         _log_setup(args)
     install()
     configure(args.zero_bubble)
-    init_parallel(args)
+    init_parallel(args, device)
     try:
         return train(args, build(args, device, gloo))
     finally:

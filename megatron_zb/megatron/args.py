@@ -271,12 +271,10 @@ def check_layers(num_layers: int, schedule: Schedule, pad: bool) -> None:
 
 
 def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
-    for flag, dest in (
-        ("--zero-bubble-max-pending-backward", "zero_bubble_max_pending_backward"),
-        ("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
-    ):
-        if getattr(args, dest, None) is not None:
-            raise ValueError(f"{flag} needs --enable-zero-bubble (or --pipeline-schedule NAME)")
+    if getattr(args, "zero_bubble_max_pending_backward", None) is not None:
+        raise ValueError("--zero-bubble-max-pending-backward needs --enable-zero-bubble")
+    if getattr(args, "zero_bubble_memory_limit", None) is not None:
+        raise ValueError("--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto")
     if getattr(args, "zero_bubble_v_schedule_mem_setup", "zb") != "zb":
         raise ValueError("--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule")
 

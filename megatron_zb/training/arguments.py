@@ -161,8 +161,8 @@ def _world_size(args: argparse.Namespace) -> int:
 def _check_data(args: argparse.Namespace) -> None:
     if args.data_path:
         raise ValueError(
-            "--data-path: this launcher trains on --mock-data only; run Megatron-LM's pretrain_gpt.py with "
-            "megatron-zb's patch (patches/) for real datasets"
+            "--data-path: this loop trains on --mock-data only; for real datasets add --megatron-lm to run "
+            "Megatron-LM's pretrain() (needs a Megatron-LM checkout)"
         )
     if not args.mock_data:
         raise ValueError("give --mock-data (synthetic sequences); real datasets run through Megatron-LM's pretrain")
@@ -171,6 +171,17 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace) -> None:
+    if args.num_experts:
+        raise ValueError("--num-experts: this launcher builds dense GPT models only; MoE is not supported yet")
+    if args.context_parallel_size > 1:
+        raise ValueError(
+            "--context-parallel-size > 1 is not supported by this launcher yet; use tensor or data parallelism"
+        )
+    if args.trace_file and not _zero_bubble_flags(args):
+        raise ValueError(
+            "--trace-file traces megatron-zb's passes: choose a schedule (e.g. --pipeline-schedule 1f1b, the same "
+            "schedule as megatron-core's default)"
+        )
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are exclusive; choose one")
     if args.num_attention_heads % args.tensor_model_parallel_size:
@@ -191,6 +202,12 @@ def _check_model(args: argparse.Namespace) -> None:
         raise ValueError("--trace-iteration needs --trace-file FILE")
     if args.trace_iteration is not None and not 1 <= args.trace_iteration <= args.train_iters:
         raise ValueError(f"--trace-iteration must be between 1 and --train-iters {args.train_iters}")
+
+
+def _zero_bubble_flags(args: argparse.Namespace) -> bool:
+    from ..megatron.args import enabled
+
+    return enabled(args)
 
 
 def padded_vocab(vocab: int, divisible_by: int, args: argparse.Namespace) -> int:

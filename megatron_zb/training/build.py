@@ -22,8 +22,8 @@ class Trainee:
     device: torch.device
 
 
-def init_parallel(args: argparse.Namespace) -> None:
-    from megatron.core import parallel_state
+def init_parallel(args: argparse.Namespace, device: torch.device) -> None:
+    from megatron.core import parallel_state, tensor_parallel
 
     from ..megatron.gpt_model import embedding_ranks
 
@@ -35,6 +35,11 @@ def init_parallel(args: argparse.Namespace) -> None:
         get_embedding_ranks=embedding_ranks(args.placement),
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+    torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        # Attention forks megatron's model-parallel RNG even without dropout; on CPU the
+        # shims install a no-op tracker instead.
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
 
 def transformer_config(args: argparse.Namespace, gloo: bool):
@@ -111,14 +116,20 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
-    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    # As Megatron-LM: a list per chunk, a plain function with one chunk (megatron-core's
+    # non-interleaved schedule calls it directly).
+    config.no_sync_func = _per_chunk([chunk.no_sync for chunk in chunks])
     if args.overlap_grad_reduce:
-        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+        config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in chunks])
     config.finalize_model_grads_func = tied_embedding_finalize(finalize_model_grads, args.placement)
     optimizer = _optimizer(args, config, chunks)
     if args.fp16:
         config.grad_scale_func = optimizer.scale_loss
     return Trainee(config, chunks, optimizer, _scheduler(args, optimizer), device)
+
+
+def _per_chunk(functions: list):
+    return functions[0] if len(functions) == 1 else functions
 
 
 def _optimizer(args: argparse.Namespace, config, chunks: list):

@@ -47,7 +47,7 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
     logger = _IterationLog(args, runner)
     rows = []
     for iteration in range(start + 1, args.train_iters + 1):
-        measure = runner is not None and _measured(args, iteration, trainee.device)
+        measure = runner is not None and _measured(args, iteration, trainee.device, start)
         if measure:
             profiler.iteration = iteration
             profiler.start()
@@ -61,10 +61,11 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
                 row.pop("fb_end"),
                 parallel_state.get_pipeline_model_parallel_group(),
             ).mean
-            if iteration == _trace_iteration(args):
+            if iteration == _trace_iteration(args, start):
                 _write_trace(args, profiler, iteration, measured)
             profiler.records.clear()
         row.pop("fb_start", None), row.pop("fb_end", None)
+        row.setdefault("bubble_rate", None)
         rows.append(logger.record(row))
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if args.save and (
@@ -116,17 +117,22 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: MockData, iter
     }
 
 
-def _measured(args: argparse.Namespace, iteration: int, device: torch.device) -> bool:
+def _measured(args: argparse.Namespace, iteration: int, device: torch.device, start: int) -> bool:
     """On CPU every iteration; on GPUs (timing synchronises the device) only logged or traced ones."""
     if device.type == "cpu":
         return True
-    return iteration % args.log_interval == 0 or iteration == _trace_iteration(args)
+    return iteration % args.log_interval == 0 or iteration == _trace_iteration(args, start)
 
 
-def _trace_iteration(args: argparse.Namespace) -> int | None:
+def _trace_iteration(args: argparse.Namespace, start: int = 0) -> int | None:
+    """--trace-iteration, or the last iteration this run reaches (--exit-interval included)."""
     if not args.trace_file:
         return None
-    return args.trace_iteration or args.train_iters
+    if args.trace_iteration:
+        return args.trace_iteration
+    if args.exit_interval:
+        return min(args.train_iters, (start // args.exit_interval + 1) * args.exit_interval)
+    return args.train_iters
 
 
 def _write_trace(args: argparse.Namespace, profiler, iteration: int, measured) -> None:
@@ -143,18 +149,26 @@ def _resume(args: argparse.Namespace, trainee: Trainee, load_checkpoint) -> int:
     if not args.load:
         return 0
     try:
-        iteration, _ = load_checkpoint(args.load, trainee.chunks, trainee.optimizer, trainee.scheduler)
+        iteration, extra = load_checkpoint(args.load, trainee.chunks, trainee.optimizer, trainee.scheduler)
     except FileNotFoundError as error:
         if dist.get_rank() == 0:
             log.warning("%s; starting from iteration 0", error)
         return 0
+    saved = extra.get("placement")
+    if saved is not None and saved != _extra(args)["placement"]:
+        raise ValueError(
+            f"--load {args.load}: the checkpoint holds the {saved} placement's layer blocks, this run uses "
+            f"{_extra(args)['placement']} ({_extra(args)['schedule']}); resume with a schedule of the same placement"
+        )
     if dist.get_rank() == 0:
         log.info("resumed from %s at iteration %d", args.load, iteration)
     return iteration
 
 
 def _extra(args: argparse.Namespace) -> dict:
-    return {"schedule": args.zero_bubble.schedule if args.zero_bubble else "megatron-core", "seed": args.seed}
+    placement = f"{args.placement.kind} pp={args.placement.pp} chunks={args.placement.chunks}"
+    schedule = args.zero_bubble.schedule if args.zero_bubble else "megatron-core"
+    return {"schedule": schedule, "seed": args.seed, "placement": placement}
 
 
 class _IterationLog:

@@ -124,6 +124,10 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         ("--enable-zero-bubble --fp16 --bf16", ["--fp16 and --bf16"]),
         ("--enable-zero-bubble --data-path /data/x", ["--data-path", "--mock-data"]),
         ("--trace-iteration 3", ["--trace-file"]),
+        ("--trace-file t.json", ["--trace-file", "--pipeline-schedule 1f1b"]),
+        ("--num-experts 4", ["--num-experts", "dense"]),
+        ("--context-parallel-size 2 --cpu-procs 8", ["--context-parallel-size"]),
+        ("--zero-bubble-memory-limit 3", ["needs --pipeline-schedule zb-auto, v-auto or auto"]),
         ("--save-interval 5", ["--save"]),
     ],
 )

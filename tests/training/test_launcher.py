@@ -2,7 +2,8 @@
 
 pp=4 runs the real command, ``megatron-zb train --cpu`` (which spawns its gloo processes);
 pp=2 x dp=2 and pp=2 x tp=2 run the same entry point (``run_rank``) inside one worker pool,
-so they pay the megatron-core import once. Each setting trains 1f1b, zb-2p and zb-v for 10
+so they pay the megatron-core import once; there megatron-core's own 1F1B (no schedule flag)
+must agree too. Each setting trains 1f1b, zb-2p and zb-v for 10
 iterations from one seed, then zb-v again stopping at 5 with a checkpoint and resuming.
 """
 
@@ -115,6 +116,7 @@ def pool_losses(pool: WorkerPool, argv: str) -> dict[int, float]:
 )
 def test_pp2_with_data_or_tensor_parallel(pool: WorkerPool, setting: str, tmp_path: Path) -> None:
     full = {name: pool_losses(pool, f"{setting} --pipeline-schedule {name}") for name in SCHEDULES}
+    full["megatron-core"] = pool_losses(pool, setting)  # no schedule flag: megatron-core's own 1F1B
     saved = tmp_path / "checkpoints"
     first = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --exit-interval 5 --save {saved}")
     resumed = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --load {saved}")
