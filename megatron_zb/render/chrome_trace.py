@@ -15,17 +15,19 @@ from ..schedule.simulate import PassTime, Timeline
 PID = 0
 
 
-def _metadata(timeline: Timeline) -> list[dict[str, Any]]:
+def metadata_events(name: str, num_ranks: int) -> list[dict[str, Any]]:
+    """The trace's title and one named track per rank (shared with the measured-pass trace)."""
     events: list[dict[str, Any]] = [
-        {"ph": "M", "pid": PID, "name": "process_name", "args": {"name": f"megatron-zb {timeline.schedule.name}"}}
+        {"ph": "M", "pid": PID, "name": "process_name", "args": {"name": f"megatron-zb {name}"}}
     ]
-    for rank in range(len(timeline.ranks)):
+    for rank in range(num_ranks):
         events.append({"ph": "M", "pid": PID, "tid": rank, "name": "thread_name", "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "pid": PID, "tid": rank, "name": "thread_sort_index", "args": {"sort_index": rank}})
     return events
 
 
-def _complete(t: PassTime, unit: float) -> dict[str, Any]:
+def pass_event(t: PassTime, unit: float) -> dict[str, Any]:
+    """One pass as a complete event; ``unit`` converts its times to microseconds."""
     p = t.pass_
     return {
         "ph": "X",
@@ -54,9 +56,11 @@ def _memory(timeline: Timeline, unit: float) -> list[dict[str, Any]]:
 def render_chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0) -> dict[str, Any]:
     """The trace event JSON object; ``json.dumps`` it to get a loadable file."""
     s = timeline.schedule
-    passes = [_complete(t, time_unit_us) for rank in timeline.ranks for t in rank]
+    passes = [pass_event(t, time_unit_us) for rank in timeline.ranks for t in rank]
     return {
-        "traceEvents": _metadata(timeline) + passes + _memory(timeline, time_unit_us),
+        "traceEvents": metadata_events(timeline.schedule.name, len(timeline.ranks))
+        + passes
+        + _memory(timeline, time_unit_us),
         "displayTimeUnit": "ms",
         "otherData": {
             "schedule": s.name,

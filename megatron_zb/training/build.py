@@ -12,6 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
+# Flags copied under their own names, as Megatron-LM's core_*_config_from_args do.
+TRANSFORMER_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "sequence_parallel", "hidden_dropout", "attention_dropout",
+    "init_method_std", "fp16", "bf16",
+)  # fmt: skip
+OPTIMIZER_FIELDS = (
+    "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "fp16",
+    "bf16", "loss_scale", "initial_loss_scale", "use_distributed_optimizer",
+)  # fmt: skip
+
+
+def _same_names(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    return {name: getattr(args, name) for name in names}
+
 
 @dataclass
 class Trainee:
@@ -48,22 +63,11 @@ def transformer_config(args: argparse.Namespace, gloo: bool):
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     chunks = args.placement.chunks
     config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        **_same_names(args, TRANSFORMER_FIELDS),
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
         pipeline_model_parallel_layout=_layout(args),
-        sequence_parallel=args.sequence_parallel,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        fp16=args.fp16,
-        bf16=args.bf16,
         use_cpu_initialization=True,
         deallocate_pipeline_outputs=True,
         batch_p2p_sync=not gloo,
@@ -135,22 +139,7 @@ def _per_chunk(functions: list):
 def _optimizer(args: argparse.Namespace, config, chunks: list):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    optimizer_config = OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        fp16=args.fp16,
-        bf16=args.bf16,
-        params_dtype=config.params_dtype,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
+    optimizer_config = OptimizerConfig(**_same_names(args, OPTIMIZER_FIELDS), params_dtype=config.params_dtype)
     return get_megatron_optimizer(optimizer_config, chunks)
 
 

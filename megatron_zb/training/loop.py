@@ -215,6 +215,7 @@ class _IterationLog:
         ]
         if row["grad_norm"] is not None:
             parts.append(f"grad norm: {row['grad_norm']:.3f}")
+        parts.append(f"number of skipped iterations: {sum(r['skipped'] for r in window):3d}")
         if bubbles:
             parts.append(f"measured bubble: {100 * sum(bubbles) / len(bubbles):.1f}%")
         parts.append(f"schedule: {self.schedule}")

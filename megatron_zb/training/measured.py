@@ -14,13 +14,12 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..render.chrome_trace import _complete, _metadata
+from ..render.chrome_trace import metadata_events, pass_event
 from ..runtime.profiler import PassRecord
 from ..schedule.simulate import PassTime
 
@@ -118,10 +117,9 @@ def write_measured_trace(
         for index, rank in enumerate(chosen)
     ]
     name = f"{schedule_name} measured iteration {iterations[0]}"
-    # _metadata reads only the schedule's name and the number of ranks from its Timeline.
-    header = _metadata(SimpleNamespace(schedule=SimpleNamespace(name=name), ranks=ranks))
+    header = metadata_events(name, len(ranks))
     trace = {
-        "traceEvents": header + [_complete(t, SECONDS_TO_US) for rank in ranks for t in rank],
+        "traceEvents": header + [pass_event(t, SECONDS_TO_US) for rank in ranks for t in rank],
         "displayTimeUnit": "ms",
         "otherData": {**_summary(ranks), "schedule": schedule_name, "iteration": iterations[0], **(extra or {})},
     }
