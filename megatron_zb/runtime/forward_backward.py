@@ -20,6 +20,8 @@ from ..schedule.ir import parse_orders
 from . import linear_split, steps
 from .executor import Executor, plan_rank
 from .p2p import DEFAULT_TIMEOUT_S, PipeComm
+from .profiler import NestedProfilers
+from .replan import Replanner, ReplanReport, ReplanWindow
 from .te_wgrad import delayed_wgrad_layers
 from .wgrad import WeightGradStore
 
@@ -38,6 +40,8 @@ class ForwardBackward:
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
     ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
     computes the loss (V placements), because Megatron-LM reads and logs them only there.
+    ``replan`` (a ``ReplanWindow``) times that window's training calls and then re-plans once
+    with the measured costs (``replan_report`` says what it predicted).
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class ForwardBackward:
         profiler=None,
         receive_lookahead: int | None = None,
         losses_to_last_rank: bool = False,
+        replan: ReplanWindow | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
@@ -62,7 +67,9 @@ class ForwardBackward:
         self.profiler = profiler
         self.receive_lookahead = receive_lookahead
         self.losses_to_last_rank = losses_to_last_rank
+        self.replanner = Replanner(replan) if replan is not None else None
         self._schedules: dict[tuple[int, int, int], Schedule] = {}
+        self._placements: dict[int, tuple] = {}  # pp -> the first schedule's: the model chunks are built for it
         self._plans: dict[tuple, object] = {}
         self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
 
@@ -78,6 +85,10 @@ class ForwardBackward:
                 schedule = _broadcast_schedule(schedule)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    @property
+    def replan_report(self) -> ReplanReport | None:
+        return self.replanner.report if self.replanner is not None else None
 
     def _broadcasts(self) -> bool:
         # CP-SAT refinement is not deterministic across processes: plan once, share the orders.
@@ -116,6 +127,8 @@ class ForwardBackward:
         groups = _groups(pg_collection)
         schedule = self._schedule_for_models(groups, num_microbatches, models)
         shape = _tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn)
+        device = next(models[0].parameters()).device
+        timer = self.replanner.begin(device) if self.replanner is not None and not forward_only else None
         linear_split.install()
         ctx = steps.ForwardContext(
             forward_step_func, iterators, models, num_microbatches, config, groups.cp_size, collect_non_loss_data
@@ -126,18 +139,33 @@ class ForwardBackward:
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
         with _grad_sync_disabled(config, models, forward_only):
-            self._executor(schedule, groups, ctx, shape, forward_only).run()
+            self._executor(schedule, groups, ctx, shape, forward_only, timer).run()
         if not forward_only and config.finalize_model_grads_func is not None:
-            device = next(models[0].parameters()).device
             num_tokens = _loss_rank_tokens(ctx, groups.pp, device) if config.calculate_per_token_loss else None
             config.finalize_model_grads_func(
                 models, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
             )
         if timers is not None:
             timers("forward-backward").stop()
+        if timer is not None and self.replanner.finish(schedule):
+            self._replan(schedule, groups.pp, shape, config.pipeline_dtype or config.params_dtype, len(models))
         if self.losses_to_last_rank:
-            return _ship_to_last_rank(ctx.forward_data_store, schedule, groups.pp, next(models[0].parameters()).device)
+            return _ship_to_last_rank(ctx.forward_data_store, schedule, groups.pp, device)
         return ctx.forward_data_store
+
+    def _replan(self, schedule: Schedule, pipeline: dist.ProcessGroup, shape, dtype, num_chunks: int) -> None:
+        """Swap in the plan for measured costs (same placement) on every rank at once."""
+        chunks = num_chunks if num_chunks > 1 else None
+
+        def plan(costs: CostModel) -> Schedule:
+            m, limit = schedule.microbatches, self.memory_limit
+            return build(self.name, ScheduleSpec(schedule.pp, m, chunks, costs, limit, self.refine_seconds))
+
+        chosen, self.costs = self.replanner.replan(
+            schedule, self.costs, plan, pipeline, shape, dtype, self.memory_limit
+        )
+        self._schedules = {(schedule.pp, schedule.microbatches, chunks or 0): chosen}
+        self._plans.clear()
 
     def _schedule_for_models(self, groups: Groups, microbatches: int, models: list) -> Schedule:
         schedule = self.schedule_for(groups.pp.size(), microbatches, len(models) if len(models) > 1 else None)
@@ -146,10 +174,22 @@ class ForwardBackward:
                 f"schedule {schedule.name} runs {schedule.chunks} model chunk(s) per rank, got {len(models)}; "
                 f"build the model with {schedule.chunks} chunk(s) for its {schedule.placement.kind} placement"
             )
+        built_for = self._placements.setdefault(schedule.pp, schedule.placements)
+        if schedule.placements != built_for:
+            raise ScheduleError(
+                f"{self.name} with {microbatches} microbatches plans {schedule.name}, whose "
+                f"{schedule.placement.kind} placement differs from the one the model chunks were built for; "
+                "choose one schedule family by name instead of an automatic choice"
+            )
         return schedule
 
-    def _executor(self, schedule: Schedule, groups: Groups, ctx: steps.ForwardContext, shape, forward_only: bool):
+    def _executor(
+        self, schedule: Schedule, groups: Groups, ctx: steps.ForwardContext, shape, forward_only: bool, timer=None
+    ):
         config, models = ctx.config, ctx.models
+        profiler = self.profiler if self.profiler is not None and self.profiler.active else None
+        if timer is not None:
+            profiler = timer if profiler is None else NestedProfilers(profiler, timer)
         self.last_store = WeightGradStore()
         return Executor(
             self._plan(schedule, groups.pp.rank(), forward_only),
@@ -163,7 +203,7 @@ class ForwardBackward:
             forward_only=forward_only,
             on_chunk_grads_done=None if forward_only else _grad_sync_starter(config, models),
             on_first_forward=None if forward_only else _param_sync_starter(config, models),
-            profiler=self.profiler if self.profiler is not None and self.profiler.active else None,
+            profiler=profiler,
             receive_lookahead=self._lookahead(groups.pp),
         )
 

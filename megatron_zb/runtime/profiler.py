@@ -10,7 +10,6 @@ tensor between neighbouring ranks.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +61,7 @@ class PassProfiler:
 
     def local_means(self, schedule: Schedule) -> dict[tuple[str, int], tuple[float, int]]:
         """(kind, full stage) -> (sum of per-stage-scaled seconds, count) on this rank."""
-        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
-        for record in self.records:
-            placement = schedule.placements[record.pass_.pipe]
-            stage = placement.full_stage(record.pass_.stage)
-            entry = sums[record.pass_.kind.value, stage]
-            entry[0] += (record.end - record.start) * placement.chunks
-            entry[1] += 1
-        return {key: (total, count) for key, (total, count) in sums.items()}
+        return stage_sums(self.records, schedule)
 
     def cost_model(
         self,
@@ -79,38 +71,81 @@ class PassProfiler:
         dtype: torch.dtype = torch.float32,
         w_share_when_fused: float = 0.5,
     ) -> CostModel:
-        """Costs averaged over every rank (collective over the default group: call it on all ranks).
-
-        Every rank gets the same model, so tensor- and data-parallel replicas keep planning the
-        same schedule. ``group`` is this rank's pipeline group, where T_comm is measured. A
-        fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
-        """
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.local_means(schedule))
-        totals: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
-        for means in gathered:
-            for key, (total, count) in means.items():
-                totals[key][0] += total
-                totals[key][1] += count
-        pp = schedule.pp
-
-        def mean(kind: str, stage: int) -> float | None:
-            total, count = totals.get((kind, stage), (0.0, 0))
-            return total / count if count else None
-
-        t_f, t_b, t_w = [], [], []
-        for stage in range(pp):
-            f, b, w, bw = (mean(kind, stage) for kind in ("F", "B", "W", "BW"))
-            if b is None and bw is not None:
-                b, w = bw * (1 - w_share_when_fused), bw * w_share_when_fused
-            t_f.append(f or 0.0)
-            t_b.append(b or 0.0)
-            t_w.append(w or 0.0)
-        t_comm = measure_latency(group, boundary_shape, dtype, self.device)
-        return CostModel(pp, tuple(t_f), tuple(t_b), tuple(t_w), t_comm)
+        """Costs of this profiler's records averaged over every rank (see ``agreed_cost_model``)."""
+        return agreed_cost_model(
+            self.local_means(schedule), schedule, group, boundary_shape, dtype, self.device, w_share_when_fused
+        )
 
     def kinds_seen(self) -> set[PassKind]:
         return {record.pass_.kind for record in self.records}
+
+
+class NestedProfilers:
+    """Two profilers on the same passes (the outer one's times include the inner one's bookkeeping)."""
+
+    active = True
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
+        self.outer.run(p, chunk, lambda x: self.inner.run(p, chunk, fn, x, waited), arg, waited)
+
+
+def stage_sums(records: list[PassRecord], schedule: Schedule) -> dict[tuple[str, int], tuple[float, int]]:
+    """(kind, full stage) -> (sum of per-stage-scaled seconds, count) of ``records``."""
+    sums: dict[tuple[str, int], tuple[float, int]] = {}
+    for record in records:
+        placement = schedule.placements[record.pass_.pipe]
+        stage = placement.full_stage(record.pass_.stage)
+        seconds = (record.end - record.start) * placement.chunks
+        add_sums(sums, {(record.pass_.kind.value, stage): (seconds, 1)})
+    return sums
+
+
+def add_sums(into: dict, more: dict) -> dict:
+    """Fold one ``stage_sums`` result into another (several timed iterations)."""
+    for key, (total, count) in more.items():
+        before = into.get(key, (0.0, 0))
+        into[key] = (before[0] + total, before[1] + count)
+    return into
+
+
+def agreed_cost_model(
+    sums: dict[tuple[str, int], tuple[float, int]],
+    schedule: Schedule,
+    group: dist.ProcessGroup,
+    boundary_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    w_share_when_fused: float = 0.5,
+) -> CostModel:
+    """Costs (seconds) averaged over every rank's ``stage_sums`` (collective over the default group).
+
+    Every rank gets the same model, so tensor- and data-parallel replicas keep planning the
+    same schedule. ``group`` is this rank's pipeline group, where T_comm is measured. A
+    fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(sums))
+    totals: dict[tuple[str, int], tuple[float, int]] = {}
+    for rank_sums in gathered:
+        add_sums(totals, rank_sums)
+
+    def mean(kind: str, stage: int) -> float | None:
+        total, count = totals.get((kind, stage), (0.0, 0))
+        return total / count if count else None
+
+    t_f, t_b, t_w = [], [], []
+    for stage in range(schedule.pp):
+        f, b, w, bw = (mean(kind, stage) for kind in ("F", "B", "W", "BW"))
+        if b is None and bw is not None:
+            b, w = bw * (1 - w_share_when_fused), bw * w_share_when_fused
+        t_f.append(f or 0.0)
+        t_b.append(b or 0.0)
+        t_w.append(w or 0.0)
+    t_comm = measure_latency(group, boundary_shape, dtype, device)
+    return CostModel(schedule.pp, tuple(t_f), tuple(t_b), tuple(t_w), t_comm)
 
 
 def measure_latency(

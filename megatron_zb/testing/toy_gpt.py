@@ -24,6 +24,8 @@ class ToyGPT:
     micro_batch: int = 2
     seed: int = 1234
     dtype: torch.dtype = torch.float32
+    heavy_block: int | None = None
+    heavy_factor: int = 3
 
     def config(self, pp: int, chunks: int, tp: int = 1, **overrides):
         from megatron.core.transformer import TransformerConfig
@@ -53,6 +55,8 @@ class ToyGPT:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+        if block == self.heavy_block:
+            config = replace(config, num_layers=config.num_layers * self.heavy_factor)
         torch.manual_seed(self.seed + block)
         return GPTModel(
             config=config,
