@@ -8,10 +8,12 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from .compare import Comparison, compare
 from .schedule.costs import CostModel
+from .schedule.costs_file import load_costs
 from .schedule.ir import ScheduleError
 from .schedule.registry import ScheduleSpec, build, get, names
 from .schedule.simulate import Timeline, simulate
@@ -45,23 +47,33 @@ def _non_negative_seconds(text: str) -> float:
 
 def _add_setting_args(parser: argparse.ArgumentParser) -> None:
     """The setting every command plans for: pp, microbatches, chunks, costs, memory."""
-    parser.add_argument("--pp", type=_positive_int, required=True, help="pipeline-parallel ranks")
-    parser.add_argument("--microbatches", "-m", type=_positive_int, required=True, help="microbatches per iteration")
+    parser.add_argument("--pp", type=_positive_int, help="pipeline-parallel ranks (required without --costs-from)")
+    parser.add_argument(
+        "--microbatches", "-m", type=_positive_int, help="microbatches per iteration (required without --costs-from)"
+    )
     parser.add_argument("--chunks", type=_positive_int, help="model chunks per rank (default: each schedule's own)")
     costs = parser.add_argument_group("costs, per full stage (a number, or a comma list with one value per stage)")
-    costs.add_argument("--cost-f", type=_numbers, default=(1.0,), help="forward time T_F (default 1)")
-    costs.add_argument("--cost-b", type=_numbers, default=(1.0,), help="input-gradient backward time T_B (default 1)")
-    costs.add_argument("--cost-w", type=_numbers, default=(1.0,), help="weight-gradient backward time T_W (default 1)")
-    costs.add_argument("--cost-comm", type=float, default=0.0, help="latency per cross-rank transfer (default 0)")
+    costs.add_argument("--cost-f", type=_numbers, help="forward time T_F (default 1)")
+    costs.add_argument("--cost-b", type=_numbers, help="input-gradient backward time T_B (default 1)")
+    costs.add_argument("--cost-w", type=_numbers, help="weight-gradient backward time T_W (default 1)")
+    costs.add_argument("--cost-comm", type=float, help="latency per cross-rank transfer (default 0)")
+    costs.add_argument(
+        "--costs-from",
+        metavar="FILE",
+        help="the costs measured in training (--zero-bubble-save-costs FILE), in ms; pp, microbatches and the "
+        "memory limit default to the run's",
+    )
     memory = parser.add_argument_group("memory, in one microbatch's activations of a full stage")
-    memory.add_argument("--mem-f", type=_numbers, default=(1.0,), help="allocated by F (default 1)")
-    memory.add_argument("--mem-b", type=_numbers, default=(-0.5,), help="freed by B, negative (default -0.5)")
-    memory.add_argument("--mem-w", type=_numbers, default=(-0.5,), help="freed by W, negative (default -0.5)")
+    memory.add_argument("--mem-f", type=_numbers, help="allocated by F (default 1)")
+    memory.add_argument("--mem-b", type=_numbers, help="freed by B, negative (default -0.5)")
+    memory.add_argument("--mem-w", type=_numbers, help="freed by W, negative (default -0.5)")
     memory.add_argument("--memory-limit", type=float, help="per-rank activation memory limit (default: none)")
 
 
 def _add_plan_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule", required=True, help="schedule name; see `megatron-zb list`")
+    parser.add_argument(
+        "--schedule", help="schedule name; see `megatron-zb list` (default with --costs-from: the run's schedule)"
+    )
     _add_setting_args(parser)
     parser.add_argument(
         "--refine-seconds",
@@ -107,23 +119,59 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_UNIT_COSTS = {"cost_f": (1.0,), "cost_b": (1.0,), "cost_w": (1.0,), "cost_comm": 0.0}
+_MEMORY = {"mem_f": (1.0,), "mem_b": (-0.5,), "mem_w": (-0.5,)}
+
+
 def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec:
     """The ScheduleSpec of the setting flags; raises ScheduleError for a bad cost model."""
-    costs = CostModel(
-        args.pp,
-        t_f=args.cost_f,
-        t_b=args.cost_b,
-        t_w=args.cost_w,
-        t_comm=args.cost_comm,
-        mem_f=args.mem_f,
-        mem_b=args.mem_b,
-        mem_w=args.mem_w,
+    if args.costs_from:
+        return _measured_spec(args, refine_seconds)
+    missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
+    if missing:
+        raise ScheduleError(f"give {' and '.join(missing)} (or --costs-from FILE, which records them)")
+    flags = {
+        name: default if getattr(args, name) is None else getattr(args, name) for name, default in _UNIT_COSTS.items()
+    }
+    flags.update(
+        {name: default if getattr(args, name) is None else getattr(args, name) for name, default in _MEMORY.items()}
     )
+    costs = CostModel(args.pp, **{name.replace("cost_", "t_"): value for name, value in flags.items()})
     return ScheduleSpec(args.pp, args.microbatches, args.chunks, costs, args.memory_limit, refine_seconds)
+
+
+def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleSpec:
+    """The setting of a saved profile, with the flags given on top (never mixed with other times)."""
+    measured = load_costs(args.costs_from)
+    given = [f"--{name.replace('_', '-')}" for name in _UNIT_COSTS if getattr(args, name) is not None]
+    if given:
+        raise ScheduleError(
+            f"{', '.join(given)} and --costs-from {args.costs_from} both give times; drop one "
+            "(the file's are measured, in ms per stage)"
+        )
+    if args.pp is not None and args.pp != measured.costs.pp:
+        raise ScheduleError(
+            f"--pp {args.pp}: --costs-from {args.costs_from} was measured at pipeline size {measured.costs.pp}; "
+            "per-stage costs do not carry over to another pp (drop --pp)"
+        )
+    microbatches = args.microbatches or measured.microbatches
+    if microbatches is None:
+        raise ScheduleError(f"give --microbatches: --costs-from {args.costs_from} does not record them")
+    memory = {name: getattr(args, name) for name in _MEMORY if getattr(args, name) is not None}
+    costs = replace(measured.costs, **memory)
+    limit = args.memory_limit if args.memory_limit is not None else measured.memory_limit
+    chunks = args.chunks
+    if "schedule" in args:  # plan: the run's schedule, with its chunk count, unless another is named
+        args.schedule = args.schedule or measured.schedule
+        if chunks is None and args.schedule == measured.schedule and measured.chunks != 1:
+            chunks = measured.chunks
+    return ScheduleSpec(costs.pp, microbatches, chunks, costs, limit, refine_seconds)
 
 
 def plan_timeline(args: argparse.Namespace) -> Timeline:
     spec = _spec(args, args.refine_seconds)
+    if args.schedule is None:
+        raise ScheduleError("give --schedule NAME (see `megatron-zb list`)")
     return simulate(build(args.schedule, spec), spec.costs)
 
 

@@ -9,6 +9,7 @@ schedule to run, or refuses it before any process group exists.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..schedule import Schedule, ScheduleError, ScheduleSpec, build, names
@@ -53,13 +54,27 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--zero-bubble-pipeline-timers-start-iter",
         type=int,
         default=100,
-        help="first iteration whose F/B/W passes are timed to re-plan the schedule (default 100)",
+        help="first training iteration of this process whose F/B/W passes are timed to re-plan the schedule "
+        "(default 100)",
     )
     group.add_argument(
         "--zero-bubble-pipeline-timers-end-iter",
         type=int,
         default=110,
-        help="iteration after which the timed passes re-plan the schedule (default 110)",
+        help="last timed iteration: after it every rank agrees on the measured per-stage costs and the schedule "
+        "is re-planned once with them (default 110)",
+    )
+    group.add_argument(
+        "--no-zero-bubble-replan",
+        action="store_true",
+        help="keep the schedule planned at start (unit costs): time no passes and never re-plan",
+    )
+    group.add_argument(
+        "--zero-bubble-save-costs",
+        default=None,
+        metavar="FILE",
+        help="after re-planning, the first rank writes the measured costs to FILE (JSON), for "
+        "`megatron-zb plan --costs-from FILE`",
     )
     group.add_argument(
         "--allow-padding-num-layers",
@@ -97,6 +112,25 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def extra_args_provider(other: ArgsProvider | None = None) -> ArgsProvider:
+    """``add_args`` after ``other``: pretrain() takes one ``extra_args_provider``, and pretrain_gpt.py passes its own.
+
+    Megatron-LM parses with ``parser = extra_args_provider(parser)``, so each provider's returned
+    parser is what the next one extends.
+    """
+    if other is None or other is add_args:
+        return add_args
+
+    def both(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        extended = other(parser)
+        return add_args(parser if extended is None else extended)
+
+    return both
+
+
 def _pending_backward(text: str) -> int:
     if text == "auto":
         raise argparse.ArgumentTypeError(
@@ -122,7 +156,8 @@ class ZeroBubbleSettings:
     microbatches: int
     placement: Placement
     pad_layers: bool
-    timers: tuple[int, int]
+    timers: tuple[int, int] | None  # the re-planning window, None when re-planning is off
+    costs_file: str | None
     post_validation: bool
     p2p_timeout_s: float
 
@@ -160,12 +195,6 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
     pad = bool(getattr(args, "allow_padding_num_layers", False))
     check_layers(args.num_layers, schedule, pad)
-    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
-    if end < start:
-        raise ValueError(
-            f"--zero-bubble-pipeline-timers-end-iter ({end}) is before --zero-bubble-pipeline-timers-start-iter "
-            f"({start}); give an end at or after the start"
-        )
     return ZeroBubbleSettings(
         schedule=name,
         memory_limit=memory_limit,
@@ -173,10 +202,33 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         microbatches=microbatches,
         placement=schedule.placement,
         pad_layers=pad,
-        timers=(start, end),
+        timers=_replan_window(args),
+        costs_file=getattr(args, "zero_bubble_save_costs", None),
         post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)),
         p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
     )
+
+
+def _replan_window(args: argparse.Namespace) -> tuple[int, int] | None:
+    start = getattr(args, "zero_bubble_pipeline_timers_start_iter", 100)
+    end = getattr(args, "zero_bubble_pipeline_timers_end_iter", 110)
+    if getattr(args, "no_zero_bubble_replan", False):
+        if getattr(args, "zero_bubble_save_costs", None):
+            raise ValueError(
+                "--zero-bubble-save-costs saves the costs measured for re-planning; drop it or --no-zero-bubble-replan"
+            )
+        return None
+    if start < 1:
+        raise ValueError(
+            f"--zero-bubble-pipeline-timers-start-iter must be at least 1 (the first training iteration), got "
+            f"{start}; use --no-zero-bubble-replan to turn re-planning off"
+        )
+    if end < start:
+        raise ValueError(
+            f"--zero-bubble-pipeline-timers-end-iter ({end}) is before --zero-bubble-pipeline-timers-start-iter "
+            f"({start}); give an end at or after the start"
+        )
+    return start, end
 
 
 def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
@@ -277,6 +329,11 @@ def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
         raise ValueError("--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto")
     if getattr(args, "zero_bubble_v_schedule_mem_setup", "zb") != "zb":
         raise ValueError("--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule")
+    if getattr(args, "zero_bubble_save_costs", None):
+        raise ValueError(
+            "--zero-bubble-save-costs needs a zero-bubble schedule (--enable-zero-bubble, --zero-bubble-v-schedule "
+            "or --pipeline-schedule NAME); megatron-core's own schedule is not timed"
+        )
 
 
 def _megatron_flags(message: str) -> str:

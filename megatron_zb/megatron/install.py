@@ -90,16 +90,21 @@ def active_settings() -> ZeroBubbleSettings | None:
 
 
 def runner_for(settings: ZeroBubbleSettings):
-    """One ForwardBackward per settings, so its planned schedules are reused across iterations."""
+    """One ForwardBackward per settings, so its planned schedules (and its re-plan) outlive an iteration."""
     if settings not in _runners:
         from ..runtime import ForwardBackward
+        from ..runtime.replan import ReplanWindow
 
+        window = None
+        if settings.timers is not None:
+            window = ReplanWindow(*settings.timers, costs_file=settings.costs_file)
         _runners[settings] = ForwardBackward(
             settings.schedule,
             memory_limit=settings.memory_limit,
             chunks=settings.chunks,
             timeout_s=settings.p2p_timeout_s,
             losses_to_last_rank=True,
+            replan=window,
         )
     return _runners[settings]
 

@@ -45,7 +45,7 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
     if runner is not None:
         runner.profiler = profiler
     logger = _IterationLog(args, runner)
-    rows = []
+    rows, replanned = [], False
     for iteration in range(start + 1, args.train_iters + 1):
         measure = runner is not None and _measured(args, iteration, trainee.device, start)
         if measure:
@@ -66,6 +66,8 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
             profiler.records.clear()
         row.pop("fb_start", None), row.pop("fb_end", None)
         row.setdefault("bubble_rate", None)
+        if runner is not None and runner.replan_report is not None and not replanned:
+            row["replan"], replanned = runner.replan_report.to_dict(), True
         rows.append(logger.record(row))
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if args.save and (

@@ -76,6 +76,17 @@ def test_microbatches_come_from_batch_sizes_and_data_parallel() -> None:
     assert (args.data_parallel_size, args.zero_bubble.microbatches) == (2, 8)
 
 
+def test_replanning_window_is_on_by_default_and_can_be_turned_off() -> None:
+    """As in the reference implementation: iterations 100-110 are timed, then the schedule is re-planned."""
+    assert settings("--enable-zero-bubble").zero_bubble.timers == (100, 110)
+    chosen = settings(
+        "--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 3 --zero-bubble-pipeline-timers-end-iter 3 "
+        "--zero-bubble-save-costs c.json"
+    ).zero_bubble
+    assert (chosen.timers, chosen.costs_file) == ((3, 3), "c.json")
+    assert settings("--enable-zero-bubble --no-zero-bubble-replan").zero_bubble.timers is None
+
+
 def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
     args = settings("--zero-bubble-v-schedule --num-layers 14 --allow-padding-num-layers")
     assert args.zero_bubble.pad_layers and args.placement.kind == "v"
@@ -117,6 +128,15 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         (
             "--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 5 --zero-bubble-pipeline-timers-end-iter 3",
             ["--zero-bubble-pipeline-timers-end-iter (3)"],
+        ),
+        (
+            "--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 0",
+            ["--zero-bubble-pipeline-timers-start-iter must be at least 1", "--no-zero-bubble-replan"],
+        ),
+        ("--zero-bubble-save-costs c.json", ["--zero-bubble-save-costs needs a zero-bubble schedule"]),
+        (
+            "--enable-zero-bubble --no-zero-bubble-replan --zero-bubble-save-costs c.json",
+            ["--zero-bubble-save-costs saves the costs measured for re-planning", "--no-zero-bubble-replan"],
         ),
         ("--enable-zero-bubble --tensor-model-parallel-size 2 --cpu-procs 6", ["6 processes", "multiple of 8"]),
         ("--enable-zero-bubble --tensor-model-parallel-size 2 --sequence-parallel", ["--sequence-parallel", "apex"]),

@@ -62,6 +62,10 @@ sys.modules["megatron.training.global_vars"] = global_vars
 runner = get(pp_size=4, vp_size=None)
 found["enabled"] = [type(runner).__name__, runner.name, runner.losses_to_last_rank]
 found["same_runner"] = get() is runner
+found["replan_window"] = [runner.replanner.window.start, runner.replanner.window.end]
+args.no_zero_bubble_replan = True
+global_vars._GLOBAL_ARGS = argparse.Namespace(**vars(args))
+found["replan_off"] = get().replanner is None
 # configure() overrides the parsed arguments; None turns zero bubble off.
 install.configure(None)
 found["configured_off"] = get(pp_size=4).__name__
@@ -85,6 +89,8 @@ def test_every_bound_copy_is_ours_whatever_the_import_order(order: str) -> None:
         "extra_kwarg": found["extra_kwarg"],
         "enabled": ["ForwardBackward", "zb-v", True],
         "same_runner": True,
+        "replan_window": [100, 110],
+        "replan_off": True,
         "configured_off": "forward_backward_pipelining_without_interleaving",
         "uninstalled": True,
     }

@@ -121,3 +121,36 @@ def test_pp2_with_data_or_tensor_parallel(pool: WorkerPool, setting: str, tmp_pa
     first = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --exit-interval 5 --save {saved}")
     resumed = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --load {saved}")
     check_runs(full, first, resumed)
+
+
+def test_flags_replan_and_save_the_costs(pool: WorkerPool, tmp_path: Path) -> None:
+    """The timer flags re-plan on every rank at the window's end; losses stay 1F1B's; the file plans offline."""
+    from megatron_zb.cli import main as megatron_zb
+    from megatron_zb.schedule import ScheduleSpec, build, simulate
+    from megatron_zb.schedule.costs_file import load_costs
+
+    setting = "--pipeline-model-parallel-size 2 --global-batch-size 16"
+    costs, metrics = tmp_path / "costs.json", tmp_path / "zb-1p.jsonl"
+    replan = (
+        f"--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 3 "
+        f"--zero-bubble-save-costs {costs} --metrics-file {metrics}"
+    )
+    full = {
+        "1f1b": pool_losses(pool, f"{setting} --pipeline-schedule 1f1b --no-zero-bubble-replan"),
+        "zb-1p": pool_losses(pool, f"{setting} --pipeline-schedule zb-1p {replan}"),
+    }
+    worst = max(relative(full["zb-1p"][i], full["1f1b"][i]) for i in full["1f1b"])
+    assert sorted(full["zb-1p"]) == list(range(1, 11)) and worst <= TOLERANCE, worst
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["iteration"] for row in rows if "replan" in row] == [3], "reported once, at the window's end"
+    report = next(row["replan"] for row in rows if "replan" in row)
+    saved = load_costs(costs)
+    assert (saved.schedule, saved.microbatches, saved.iterations) == ("zb-1p", 4, (2, 3))  # data-parallel size 2
+    assert min(saved.costs.t_f) > 0 and min(saved.costs.t_b) > 0 and min(saved.costs.t_w) > 0
+    assert saved.extra["replan"] == report
+    old = simulate(build("zb-1p", ScheduleSpec(2, 4)), saved.costs).bubble_rate
+    assert report["old_bubble"] == pytest.approx(old)
+    new = simulate(build("zb-1p", ScheduleSpec(2, 4, None, saved.costs)), saved.costs).bubble_rate
+    assert report["new_bubble"] == pytest.approx(new if report["replaced"] else old)
+    assert megatron_zb(["plan", "--costs-from", str(costs), "-o", str(tmp_path / "plan.txt")]) == 0
+    assert "zb-1p" in (tmp_path / "plan.txt").read_text()
