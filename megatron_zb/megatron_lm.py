@@ -27,12 +27,12 @@ class MegatronLMMissing(RuntimeError):
 def run(argv: Sequence[str]) -> int:
     script = _pretrain_gpt_module()
     from megatron.core.enums import ModelType
-    from megatron.training import initialize, pretrain
+    from megatron.training import pretrain
 
     from .megatron.install import install
 
     install()
-    initialize.validate_args = _checked(initialize.validate_args)
+    check_flags_before_init()
     sys.argv = [getattr(script, "__file__", "pretrain_gpt.py"), *argv]
     datasets = script.train_valid_test_datasets_provider
     datasets.is_distributed = True  # as pretrain_gpt.py's __main__ sets it
@@ -69,6 +69,23 @@ def _model_provider(script):
     return script.model_provider
 
 
+def check_flags_before_init() -> None:
+    """Refuse bad zero-bubble flags in Megatron-LM's ``validate_args``, before torch.distributed starts.
+
+    Otherwise they fail at the first ``get_forward_backward_func()`` call, on every rank, after
+    the process groups, model and optimizer were built. Wraps the ``validate_args`` that
+    ``initialize_megatron`` calls right after parsing, and the one in ``megatron.training.arguments``
+    where newer checkouts parse before ``pretrain()``; calling this again does nothing.
+    """
+    from megatron.training import initialize
+
+    modules = [initialize, sys.modules.get("megatron.training.arguments")]
+    for module in modules:
+        validate_args = getattr(module, "validate_args", None)
+        if validate_args is not None and not getattr(validate_args, "megatron_zb_checked", False):
+            module.validate_args = _checked(validate_args)
+
+
 def _checked(validate_args):
     """Megatron-LM's validate_args, then ours: runs before torch.distributed is initialised."""
 
@@ -86,4 +103,5 @@ def _checked(validate_args):
             )
         return found
 
+    validate.megatron_zb_checked = True
     return validate
