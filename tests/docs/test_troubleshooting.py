@@ -1,0 +1,365 @@
+"""Every message fragment that docs/user-guide.md quotes under Troubleshooting is what the code prints.
+
+CASES pairs each quoted fragment with a way to trigger it: launcher flags (``megatron-zb
+train``: argparse, then derive_and_check), a Megatron-LM namespace for schedule_settings, the
+planner CLI, or a direct call. The doc may quote only fragments listed here, and every
+fragment here must be quoted in the doc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_zb import cli
+from megatron_zb.megatron.args import schedule_settings
+from megatron_zb.training.arguments import build_parser, derive_and_check
+
+ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "user-guide.md"
+
+# A launcher command line that runs (pp=4, 16 layers, 8 microbatches); each case adds flags.
+TRAIN = (
+    "--cpu --pipeline-model-parallel-size 4 --num-layers 16 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 32 --vocab-size 256 --mock-data --micro-batch-size 1 --global-batch-size 8 --train-iters 10 "
+    "--lr 1e-3"
+)
+# What Megatron-LM's parsed arguments hold, for the checks the launcher cannot reach.
+MEGATRON = dict(
+    pipeline_model_parallel_size=4,
+    num_layers=16,
+    micro_batch_size=1,
+    global_batch_size=8,
+    data_parallel_size=1,
+    zero_bubble_pipeline_timers_start_iter=100,
+    zero_bubble_pipeline_timers_end_iter=110,
+    zero_bubble_v_schedule_mem_setup="zb",
+    enable_zero_bubble=True,
+)
+
+
+def train(extra: str) -> str:
+    """The error `megatron-zb train <TRAIN> <extra>` prints (argparse's or derive_and_check's)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            derive_and_check(build_parser().parse_args(shlex.split(f"{TRAIN} {extra}")))
+    except SystemExit:
+        return err.getvalue()
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"not refused: {extra}")
+
+
+def megatron(**fields) -> str:
+    try:
+        schedule_settings(argparse.Namespace(**{**MEGATRON, **fields}))
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"not refused: {fields}")
+
+
+def planner(*argv: str) -> str:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli.main(list(argv)) == 2
+    return err.getvalue()
+
+
+def planner_with_costs(*argv: str, valid: bool = True):
+    """``planner`` run in a fresh directory holding costs.json (a saved pp=4 profile, or not one of ours)."""
+
+    def trigger(monkeypatch) -> str:
+        import tempfile
+
+        from megatron_zb.schedule import CostModel
+        from megatron_zb.schedule.costs_file import MeasuredCosts, save_costs
+
+        folder = tempfile.mkdtemp()
+        monkeypatch.chdir(folder)
+        if valid:
+            save_costs("costs.json", MeasuredCosts(CostModel(4), schedule="zb-1p", microbatches=8))
+        else:
+            Path("costs.json").write_text("{}")
+        return planner("plan", "--costs-from", "costs.json", *argv)
+
+    return trigger
+
+
+def raised(call) -> str:
+    try:
+        call()
+    except (Exception, SystemExit) as error:  # any refusal counts; the message is what is checked
+        return str(error)
+    raise AssertionError("not refused")
+
+
+def _no_cpu(extra: str) -> str:
+    """The launcher without --cpu (a GPU launch), plus ``extra``."""
+    try:
+        derive_and_check(build_parser().parse_args(shlex.split(f"{TRAIN.replace('--cpu ', '')} {extra}")))
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"not refused: {extra}")
+
+
+def _without(flag: str) -> str:
+    try:
+        derive_and_check(build_parser().parse_args(shlex.split(TRAIN.replace(flag, ""))))
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"not refused without {flag}")
+
+
+def cuda_visible(monkeypatch) -> str:
+    torch = pytest.importorskip("torch")
+    from megatron_zb import cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return raised(cpu.enable)
+
+
+def checkpoint_layout(_monkeypatch) -> str:
+    from megatron_zb.training.checkpoint import Layout, _check_layout
+
+    saved, current = Layout(1, 2, 1, 2, False), Layout(1, 4, 1, 2, False)
+    return raised(lambda: _check_layout(saved, current, Path("ckpt/iter_0000010")))
+
+
+def v_on_megatron_lm(_monkeypatch) -> str:
+    from megatron_zb.megatron_lm import _checked
+
+    validate = _checked(lambda args: args)
+    return raised(lambda: validate(argparse.Namespace(**{**MEGATRON, "zero_bubble_v_schedule": True})))
+
+
+def no_megatron_lm(monkeypatch) -> str:
+    from megatron_zb import megatron_lm
+
+    def missing(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
+    monkeypatch.setattr(megatron_lm.importlib, "import_module", missing)
+    return raised(megatron_lm._pretrain_gpt_module)
+
+
+def wrong_chunk_count(_monkeypatch) -> str:
+    pytest.importorskip("torch")
+    from megatron_zb.runtime.forward_backward import ForwardBackward
+
+    groups = SimpleNamespace(pp=SimpleNamespace(size=lambda: 4))
+    return raised(lambda: ForwardBackward("zb-v")._schedule_for_models(groups, 8, [object()]))
+
+
+def runtime_config(**config):
+    def trigger(_monkeypatch) -> str:
+        pytest.importorskip("torch")
+        from megatron_zb.runtime.forward_backward import _refuse_unsupported
+
+        return raised(lambda: _refuse_unsupported(SimpleNamespace(**config)))
+
+    return trigger
+
+
+def p2p_timeout(_monkeypatch) -> str:
+    pytest.importorskip("torch")
+    from megatron_zb.runtime import p2p
+
+    class TimedOut:
+        def wait(self, timeout):
+            raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+    transfer = p2p.Transfer(peer=0, what="activation for F s1 mb2", send=False)
+    return raised(lambda: p2p._wait(TimedOut(), 2.0, transfer.describe(1)))
+
+
+# (fragment quoted in docs/user-guide.md, how to trigger it)
+CASES = [
+    # schedule flags
+    (
+        "--enable-optimizer-post-validation is not implemented in megatron-zb yet",
+        lambda _: train("--enable-zero-bubble --enable-optimizer-post-validation"),
+    ),
+    (
+        "'auto' (a limit adapted to free GPU memory) is not supported",
+        lambda _: train("--enable-zero-bubble --zero-bubble-max-pending-backward auto"),
+    ),
+    (
+        "--zero-bubble-max-pending-backward has no effect on V schedules",
+        lambda _: train("--zero-bubble-v-schedule --zero-bubble-max-pending-backward 4"),
+    ),
+    (
+        "--zero-bubble-memory-limit and --zero-bubble-max-pending-backward both set a memory limit",
+        lambda _: train(
+            "--pipeline-schedule zb-auto --zero-bubble-memory-limit 4 --zero-bubble-max-pending-backward 2"
+        ),
+    ),
+    (
+        "--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto), not to zb-1p",
+        lambda _: train("--enable-zero-bubble --zero-bubble-memory-limit 6"),
+    ),
+    (
+        "--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto",
+        lambda _: train("--zero-bubble-memory-limit 6"),
+    ),
+    (
+        "--zero-bubble-max-pending-backward needs --enable-zero-bubble",
+        lambda _: train("--zero-bubble-max-pending-backward 4"),
+    ),
+    (
+        "--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule",
+        lambda _: train("--zero-bubble-v-schedule-mem-setup half"),
+    ),
+    (
+        "--pipeline-schedule zb-v conflicts with the reference flags, which select zb-1p",
+        lambda _: train("--enable-zero-bubble --pipeline-schedule zb-v"),
+    ),
+    ("argument --pipeline-schedule: invalid choice: 'zb-3p'", lambda _: train("--pipeline-schedule zb-3p")),
+    (
+        "interleaved-1f1b needs microbatches to be a multiple of pp=4 (or at most pp), got 10",
+        lambda _: train("--pipeline-schedule interleaved-1f1b --global-batch-size 10"),
+    ),
+    (
+        "zb-auto needs --zero-bubble-memory-limit >= 1",
+        lambda _: train("--pipeline-schedule zb-auto --zero-bubble-memory-limit 0.5"),
+    ),
+    (
+        "--zero-bubble-pipeline-timers-end-iter (5) is before --zero-bubble-pipeline-timers-start-iter (10)",
+        lambda _: train(
+            "--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 10 --zero-bubble-pipeline-timers-end-iter 5"
+        ),
+    ),
+    (
+        "--zero-bubble-pipeline-timers-start-iter must be at least 1",
+        lambda _: train("--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 0"),
+    ),
+    ("--zero-bubble-save-costs needs a zero-bubble schedule", lambda _: train("--zero-bubble-save-costs c.json")),
+    (
+        "--zero-bubble-save-costs saves the costs measured for re-planning",
+        lambda _: train("--enable-zero-bubble --no-zero-bubble-replan --zero-bubble-save-costs c.json"),
+    ),
+    (
+        "megatron-zb schedules do not support --context-parallel-size > 1 yet",
+        lambda _: megatron(context_parallel_size=2),
+    ),
+    ("megatron-zb schedules do not support MoE models (--num-experts) yet", lambda _: megatron(num_experts=8)),
+    (
+        "megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet",
+        lambda _: megatron(mtp_num_layers=1),
+    ),
+    ("encoder layers are not supported", lambda _: megatron(encoder_num_layers=2)),
+    # model and batch shape
+    ("--num-layers 18 does not split evenly into 4 layer blocks", lambda _: train("--num-layers 18")),
+    (
+        "(V needs an even number of layers per pipeline stage)",
+        lambda _: train("--zero-bubble-v-schedule --num-layers 12"),
+    ),
+    (
+        "as --allow-padding-num-layers is on",
+        lambda _: train("--zero-bubble-v-schedule --num-layers 13 --allow-padding-num-layers"),
+    ),
+    (
+        "--global-batch-size 9 is not a multiple of --micro-batch-size 1 x data-parallel size 2 = 2",
+        lambda _: train("--cpu-procs 8 --global-batch-size 9 --enable-zero-bubble"),
+    ),
+    (
+        "--num-layers-per-virtual-pipeline-stage 3 does not split --num-layers 16",
+        lambda _: train("--pipeline-schedule interleaved-1f1b --num-layers-per-virtual-pipeline-stage 3"),
+    ),
+    # megatron-zb train only
+    ("unrecognized arguments: --tokenizer-type", lambda _: train("--tokenizer-type GPT2BPETokenizer")),
+    (
+        "6 processes do not split into tensor (1) x pipeline (4) groups; use a multiple of 4",
+        lambda _: train("--cpu-procs 6"),
+    ),
+    ("--cpu-procs needs --cpu", lambda _: _no_cpu("--cpu-procs 4")),
+    ("--cpu-procs must be at least 1", lambda _: train("--cpu-procs -4")),
+    ("--data-path: this loop trains on --mock-data only", lambda _: train("--data-path corpus_text_document")),
+    ("give --mock-data (synthetic sequences)", lambda _: _without("--mock-data")),
+    ("--mock-data needs --vocab-size", lambda _: _without("--vocab-size 256")),
+    ("--num-experts: this launcher builds dense GPT models only", lambda _: train("--num-experts 8")),
+    ("--context-parallel-size > 1 is not supported by this launcher yet", lambda _: train("--context-parallel-size 2")),
+    ("--trace-file traces megatron-zb's passes: choose a schedule", lambda _: train("--trace-file out/t.json")),
+    ("--fp16 and --bf16 are exclusive", lambda _: train("--fp16 --bf16")),
+    (
+        "--num-attention-heads 6 does not divide by --tensor-model-parallel-size 4",
+        lambda _: train("--num-attention-heads 6 --tensor-model-parallel-size 4 --cpu-procs 16"),
+    ),
+    ("--sequence-parallel needs --tensor-model-parallel-size > 1", lambda _: train("--sequence-parallel")),
+    (
+        "--sequence-parallel does not run on --cpu",
+        lambda _: train("--sequence-parallel --tensor-model-parallel-size 2 --cpu-procs 8"),
+    ),
+    ("--save-interval needs --save DIRECTORY", lambda _: train("--save-interval 5")),
+    ("--trace-iteration needs --trace-file FILE", lambda _: train("--trace-iteration 3")),
+    (
+        "--trace-iteration must be between 1 and --train-iters 10",
+        lambda _: train("--pipeline-schedule 1f1b --trace-file out/t.json --trace-iteration 30"),
+    ),
+    ("megatron_zb.cpu.enable() is for CPU-only runs; CUDA is available here", cuda_visible),
+    ("resume with the same parallel sizes, chunk count and optimizer kind", checkpoint_layout),
+    # --megatron-lm
+    (
+        "zb-v needs the V-shape model placement, which Megatron-LM's pretrain_gpt model provider does not build",
+        v_on_megatron_lm,
+    ),
+    ("--megatron-lm needs a Megatron-LM checkout", no_megatron_lm),
+    # planning
+    (
+        "zb-h2 needs --memory-limit >= 7 for pp=4, microbatches=8, got 4",
+        lambda _: planner("plan", "--schedule", "zb-h2", "--pp", "4", "--microbatches", "8", "--memory-limit", "4"),
+    ),
+    ("--costs-from costs.json: not a megatron-zb costs file", planner_with_costs(valid=False)),
+    ("--pp 8: --costs-from costs.json was measured at pipeline size 4", planner_with_costs("--pp", "8")),
+    ("--cost-f and --costs-from costs.json both give times", planner_with_costs("--cost-f", "2")),
+    # runtime
+    ("schedule zb-v runs 2 model chunk(s) per rank, got 1", wrong_chunk_count),
+    (
+        "do not support variable sequence lengths between microbatches",
+        runtime_config(variable_seq_lengths=True),
+    ),
+    ("do not support --defer-embedding-wgrad-compute", runtime_config(defer_embedding_wgrad_compute=True)),
+    (
+        "do not support --num-microbatches-with-partial-activation-checkpoints",
+        runtime_config(num_microbatches_with_partial_activation_checkpoints=2),
+    ),
+    ("pipeline rank 1 receiving activation for F s1 mb2 from pipeline rank 0: timed out after", p2p_timeout),
+]
+
+
+def troubleshooting_fragments() -> list[str]:
+    """The code spans of the first column of every table under '## Troubleshooting'."""
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text[text.index("\n## Troubleshooting\n") :]
+    following = section.find("\n## ", 1)
+    section = section if following < 0 else section[:following]
+    fragments = []
+    for line in section.splitlines():
+        found = re.match(r"\| `([^`]+)` \|", line)
+        if found:
+            fragments.append(found.group(1))
+    return fragments
+
+
+def test_doc_quotes_exactly_the_checked_fragments():
+    quoted = troubleshooting_fragments()
+    checked = [fragment for fragment, _ in CASES]
+    assert len(quoted) == len(set(quoted)), "a fragment is quoted twice"
+    assert sorted(quoted) == sorted(checked), (
+        f"quoted but not checked here: {sorted(set(quoted) - set(checked))}; "
+        f"checked but not quoted: {sorted(set(checked) - set(quoted))}"
+    )
+
+
+@pytest.mark.parametrize("fragment, trigger", CASES, ids=[fragment[:50] for fragment, _ in CASES])
+def test_quoted_message_is_produced(fragment, trigger, monkeypatch):
+    message = trigger(monkeypatch)
+    assert fragment in message, f"docs/user-guide.md quotes {fragment!r}, the code says: {message}"
