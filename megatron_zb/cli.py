@@ -14,7 +14,8 @@ from pathlib import Path
 from .compare import Comparison, compare
 from .schedule.costs import CostModel
 from .schedule.costs_file import load_costs
-from .schedule.ir import ScheduleError
+from .schedule.ir import Schedule, ScheduleError
+from .schedule.iterations import IterationsTimeline, simulate_iterations
 from .schedule.registry import ScheduleSpec, build, get, names
 from .schedule.simulate import Timeline, simulate
 
@@ -82,6 +83,21 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="automatic schedules: improve the heuristic with the CP-SAT solver for up to N seconds "
         "(needs megatron-zb[refine]); never worse than the heuristic",
+    )
+    several = parser.add_argument_group("several iterations")
+    several.add_argument(
+        "--iterations",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="simulate N iterations back to back and draw them all; with N >= 2, text and json also give the "
+        "time per iteration with a synchronising optimizer step and with post-validation (default 1)",
+    )
+    several.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="with --iterations N >= 2: draw the iterations with optimizer post-validation (each rank steps once "
+        "it has its gradients and the partial grad norm of the ranks before it) instead of a synchronising step",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--format", choices=FORMATS, default="text", help="default: text")
@@ -168,11 +184,15 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
     return ScheduleSpec(costs.pp, microbatches, chunks, costs, limit, refine_seconds)
 
 
-def plan_timeline(args: argparse.Namespace) -> Timeline:
+def plan_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
     spec = _spec(args, args.refine_seconds)
     if args.schedule is None:
         raise ScheduleError("give --schedule NAME (see `megatron-zb list`)")
-    return simulate(build(args.schedule, spec), spec.costs)
+    return build(args.schedule, spec), spec.costs
+
+
+def plan_timeline(args: argparse.Namespace) -> Timeline:
+    return simulate(*plan_schedule(args))
 
 
 def render(timeline: Timeline, fmt: str, width: int | None = None, color: bool = False) -> str:
@@ -216,8 +236,48 @@ def _plot(comparison: Comparison, path: str) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> None:
-    text = render(plan_timeline(args), args.format, args.width, args.color)
+    if args.iterations == 1:
+        if args.post_validation:
+            raise ScheduleError(
+                "--post-validation needs --iterations N with N >= 2: it changes only how one iteration hands "
+                "over to the next"
+            )
+        text = render(plan_timeline(args), args.format, args.width, args.color)
+    else:
+        text = _plan_iterations(args)
     _write(text, args.output)
+
+
+def _plan_iterations(args: argparse.Namespace) -> str:
+    """The iterations drawn one way; text and json give the period both ways, so the gain shows."""
+    schedule, costs = plan_schedule(args)
+    runs = {pv: simulate_iterations(schedule, costs, args.iterations, pv) for pv in (False, True)}
+    drawn = runs[args.post_validation]
+    if args.format == "json":
+        return json.dumps({**drawn.timeline.to_dict(), "iterations": _iterations_dict(drawn, runs)})
+    text = render(drawn.timeline, args.format, args.width, args.color)
+    if args.format != "text":
+        return text
+    synchronous, post_validation = runs[False].period, runs[True].period
+    ratio = f" ({post_validation / synchronous:.3g}x)" if synchronous else ""
+    return text + "\n".join(
+        [
+            f"iterations   {drawn.iterations} back to back, drawn with "
+            + ("post-validation" if drawn.post_validation else "a synchronising optimizer step"),
+            f"period       per iteration: {synchronous:.6g} with a synchronising optimizer step, "
+            f"{post_validation:.6g} with post-validation{ratio}",
+        ]
+    )
+
+
+def _iterations_dict(drawn: IterationsTimeline, runs: dict[bool, IterationsTimeline]) -> dict:
+    return {
+        "count": drawn.iterations,
+        "post_validation": drawn.post_validation,
+        "period": drawn.period,
+        "period_synchronous": runs[False].period,
+        "period_post_validation": runs[True].period,
+    }
 
 
 def run_compare(args: argparse.Namespace) -> None:

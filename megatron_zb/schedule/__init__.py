@@ -3,12 +3,14 @@
 from .comm import messages, program
 from .costs import CostModel
 from .ir import Pass, PassKind, Schedule, ScheduleError
+from .iterations import IterationsTimeline, simulate_iterations
 from .registry import ScheduleSpec, build, names, register
 from .simulate import Timeline, simulate
 from .validate import check, validate
 
 __all__ = [
     "CostModel",
+    "IterationsTimeline",
     "Pass",
     "PassKind",
     "Schedule",
@@ -22,5 +24,6 @@ __all__ = [
     "program",
     "register",
     "simulate",
+    "simulate_iterations",
     "validate",
 ]

@@ -9,7 +9,7 @@ deadlock is a cycle of waits, which is reported with the ranks on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .deps import Role, inputs, roles
@@ -39,13 +39,20 @@ def execute(
     schedule: Schedule,
     duration: Callable[[Pass], float],
     latency: float = 0.0,
+    ready: Sequence[float] | None = None,
 ) -> tuple[tuple[Span, ...], ...]:
-    """Start/end of every pass, per rank in order; raises DeadlockError if the orders stall."""
+    """Start/end of every pass, per rank in order; raises DeadlockError if the orders stall.
+
+    ``ready`` is the time each rank becomes free before its first pass (default 0 on every
+    rank), e.g. when its optimizer step of the previous iteration ends.
+    """
     orders = schedule.orders
     finished: dict[Role, tuple[float, int]] = {}
     waiting: dict[Role, list[int]] = {}
     spans: list[list[Span]] = [[] for _ in orders]
-    free = [0.0] * len(orders)
+    free = [0.0] * len(orders) if ready is None else [float(t) for t in ready]
+    if len(free) != len(orders):
+        raise ValueError(f"ready gives {len(free)} times for {len(orders)} ranks")
     runnable = list(range(len(orders)))
     stages = [placement.num_stages for placement in schedule.placements]
     while runnable:
