@@ -4,7 +4,9 @@
 for its inputs excluded). The bubble of one ``forward_backward`` call on one rank is the part
 of its wall time in which no pass ran; the pipeline's is the mean (and the worst) over its
 ranks. The trace puts one iteration's passes of every pipeline rank on one time axis, named
-as in the simulated trace, so the two open side by side in ui.perfetto.dev.
+as in the simulated trace, so the two open side by side in ui.perfetto.dev. It can also hold
+several iterations and, from a ``CollectiveRecorder``, the collectives each rank ran (marked
+when they span pipeline stages) and named spans such as the optimizer step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..render.chrome_trace import metadata_events, pass_event
+from ..render.chrome_trace import PID, metadata_events, pass_event
 from ..runtime.profiler import PassRecord
 from ..schedule.simulate import PassTime
+from .collectives import CollectiveRecord, CollectiveRecorder, SpanRecord, cross_stage, pipeline_stages
 
 SECONDS_TO_US = 1e6
 
@@ -71,6 +75,22 @@ def pipeline_bubble(
     return PipelineBubble(sum(per_rank) / len(per_rank), max(per_rank), per_rank)
 
 
+def pipeline_bubbles(local: list[float | None], group: dist.ProcessGroup | None = None) -> list[float | None]:
+    """Per iteration, the mean over pipeline ranks of ``measured_bubble`` (one all-gather over ``group``).
+
+    ``local`` holds this rank's bubbles of a few iterations (None where not measured), the same
+    iterations on every rank; collective over ``group``, megatron-core's pipeline group when None.
+    """
+    if not dist.is_initialized():
+        return list(local)
+    group = _pipeline_group() if group is None else group
+    mine = torch.tensor([float("nan") if v is None else v for v in local], dtype=torch.float64, device=_device(group))
+    gathered = [torch.zeros_like(mine) for _ in range(group.size())]
+    dist.all_gather(gathered, mine, group=group)
+    means = torch.stack(gathered).mean(dim=0)
+    return [None if value is None else float(mean) for value, mean in zip(local, means, strict=True)]
+
+
 def gather_records(
     records: list[PassRecord], iteration: int, group: dist.ProcessGroup | None = None
 ) -> list[list[PassRecord]] | None:
@@ -83,10 +103,59 @@ def gather_records(
     ``write_measured_trace``.
     """
     group = _pipeline_group() if group is None else group
-    mine = [r for r in records if r.iteration == iteration]
+    gathered = _gather_shifted(([r for r in records if r.iteration == iteration],), group)
+    return None if gathered is None else [lists[0] for lists in gathered]
+
+
+@dataclass(frozen=True)
+class GatheredTrace:
+    """Every pipeline rank's records for ``write_measured_trace``, times relative to one barrier exit."""
+
+    passes: list[list[PassRecord]]  # per pipeline rank
+    collectives: list[list[CollectiveRecord]]  # per pipeline rank
+    spans: list[list[SpanRecord]]  # per pipeline rank
+    stage_of_rank: dict[int, int]  # global rank -> pipeline stage, every rank of the job
+
+
+def gather_trace(
+    records: list[PassRecord],
+    iterations: Iterable[int],
+    recorder: CollectiveRecorder | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> GatheredTrace | None:
+    """``gather_records`` for several iterations, with the recorder's collectives and spans.
+
+    On the first rank of ``group`` (None elsewhere). Collective over the default group (the
+    stage of every rank, for ``cross_stage``) and over ``group`` (megatron-core's pipeline group
+    when None). Records are picked by their ``iteration`` tag, so set ``recorder.iteration`` as
+    ``PassProfiler.iteration``. Stop the recorder first: the collectives taken here are not
+    part of any iteration (they are left out either way).
+    """
+    wanted = set(iterations)
+    collectives = list(recorder.records) if recorder is not None else []
+    spans = list(recorder.spans) if recorder is not None else []
+    group = _pipeline_group() if group is None else group
+    stage_of_rank = pipeline_stages(group)
+    mine = (
+        [r for r in records if r.iteration in wanted],
+        [c for c in collectives if c.iteration in wanted],
+        [s for s in spans if s.iteration in wanted],
+    )
+    gathered = _gather_shifted(mine, group)
+    if gathered is None:
+        return None
+    passes, collectives, spans = (list(column) for column in zip(*gathered, strict=True))
+    return GatheredTrace(passes, collectives, spans, stage_of_rank)
+
+
+def _gather_shifted(lists: tuple[list, ...], group: dist.ProcessGroup) -> list[tuple[list, ...]] | None:
+    """Every rank's ``lists`` of timed records (``start``/``end`` fields), on the first rank of ``group``.
+
+    Times are shifted to each rank's exit from a barrier taken here (see ``gather_records``).
+    """
     dist.barrier(group=group)
     reference = time.perf_counter()
-    shifted = [replace(r, start=r.start - reference, end=r.end - reference) for r in mine]
+    shifted = tuple([replace(r, start=r.start - reference, end=r.end - reference) for r in items] for items in lists)
     gathered: list | None = [None] * group.size() if group.rank() == 0 else None
     dist.gather_object(shifted, gathered, dst=dist.get_global_rank(group, 0), group=group)
     return gathered
@@ -96,35 +165,98 @@ def write_measured_trace(
     path: str | Path,
     records_per_rank: list[list[PassRecord]],
     schedule_name: str,
-    iteration: int | None = None,
+    iteration: int | Iterable[int] | None = None,
     extra: dict | None = None,
+    *,
+    collectives_per_rank: list[list[CollectiveRecord]] | None = None,
+    spans_per_rank: list[list[SpanRecord]] | None = None,
+    stage_of_rank: dict[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Write a Chrome/Perfetto trace of one iteration's measured passes; returns the trace object.
+    """Write a Chrome/Perfetto trace of measured passes; returns the trace object.
 
     ``records_per_rank[r]`` are pipeline rank r's records (``gather_records`` output, or raw
-    ``perf_counter`` times from one machine). ``iteration`` picks one iteration when the records
-    hold several. Times start at the earliest pass of any rank; one track per pipeline rank.
+    ``perf_counter`` times from one machine). ``iteration`` picks one iteration, or several
+    (e.g. ``(i, i + 1)``: the passes then carry their iteration in ``args``), when the records
+    hold more. Times start at the earliest event of any rank; one track per pipeline rank.
     ``extra`` (wall times, loss, ...) goes into the trace's ``otherData``.
+
+    ``collectives_per_rank`` (``GatheredTrace.collectives``, on the same clock) adds one event
+    per collective on its rank's track, category "collective", named by the op, with the
+    group's global ranks and whether it spans stages (``stage_of_rank`` then required);
+    ``spans_per_rank`` adds the named spans (category "span"), e.g. the optimizer step. Both
+    are picked by their iteration tag as the passes are.
     """
-    chosen = [[r for r in rank if iteration is None or r.iteration == iteration] for rank in records_per_rank]
-    iterations = sorted({r.iteration for rank in chosen for r in rank})
-    if len(iterations) != 1:
-        found = ", ".join(map(str, iterations)) or "none"
-        raise ValueError(f"a measured trace shows one iteration; records hold iteration(s) {found}: pass iteration=")
-    start = min(r.start for rank in chosen for r in rank)
+    chosen, iterations = _choose(records_per_rank, iteration)
+    collectives = [[c for c in rank if c.iteration in iterations] for rank in collectives_per_rank or []]
+    spans = [[s for s in rank if s.iteration in iterations] for rank in spans_per_rank or []]
+    if any(collectives) and stage_of_rank is None:
+        raise ValueError("collectives in a trace need stage_of_rank (GatheredTrace.stage_of_rank) to mark cross_stage")
+    start = min([r.start for rank in chosen for r in rank] + [e.start for rank in collectives + spans for e in rank])
+    ordered = [sorted(rank, key=lambda r: r.start) for rank in chosen]
     ranks = [
-        [PassTime(r.pass_, index, r.chunk, r.start - start, r.end - start) for r in sorted(rank, key=lambda r: r.start)]
-        for index, rank in enumerate(chosen)
+        [PassTime(r.pass_, index, r.chunk, r.start - start, r.end - start) for r in rank]
+        for index, rank in enumerate(ordered)
     ]
-    name = f"{schedule_name} measured iteration {iterations[0]}"
-    header = metadata_events(name, len(ranks))
-    trace = {
-        "traceEvents": header + [pass_event(t, SECONDS_TO_US) for rank in ranks for t in rank],
-        "displayTimeUnit": "ms",
-        "otherData": {**_summary(ranks), "schedule": schedule_name, "iteration": iterations[0], **(extra or {})},
-    }
+    events = [pass_event(t, SECONDS_TO_US) for rank in ranks for t in rank]
+    if len(iterations) > 1:  # tell the iterations' passes apart
+        for event, r in zip(events, [r for rank in ordered for r in rank], strict=True):
+            event["args"]["iteration"] = r.iteration
+    for index, rank in enumerate(collectives):
+        events += [_collective_event(c, index, start, stage_of_rank) for c in rank]
+    for index, rank in enumerate(spans):
+        events += [
+            _timed_event(s.name, "span", index, s.start - start, s.end - start, {"iteration": s.iteration})
+            for s in rank
+        ]
+    span = f"iteration {iterations[0]}" if len(iterations) == 1 else f"iterations {iterations[0]}-{iterations[-1]}"
+    header = metadata_events(f"{schedule_name} measured {span}", len(ranks))
+    other = {**_summary(ranks), "schedule": schedule_name, "iterations": iterations}
+    if len(iterations) == 1:
+        other["iteration"] = iterations[0]
+    trace = {"traceEvents": header + events, "displayTimeUnit": "ms", "otherData": {**other, **(extra or {})}}
     Path(path).write_text(json.dumps(trace))
     return trace
+
+
+def _choose(records_per_rank: list[list[PassRecord]], iteration) -> tuple[list[list[PassRecord]], list[int]]:
+    """The records of the wanted iteration(s), and those iterations sorted; errors name what the records hold."""
+    wanted = None if iteration is None else {iteration} if isinstance(iteration, int) else set(iteration)
+    chosen = [[r for r in rank if wanted is None or r.iteration in wanted] for rank in records_per_rank]
+    iterations = sorted({r.iteration for rank in chosen for r in rank})
+    held = sorted({r.iteration for rank in records_per_rank for r in rank})
+    found = ", ".join(map(str, iterations)) or "none"
+    if (wanted is None or len(wanted) == 1) and len(iterations) != 1:
+        raise ValueError(f"a measured trace shows one iteration; records hold iteration(s) {found}: pass iteration=")
+    if wanted is not None and set(iterations) != wanted:
+        missing = ", ".join(map(str, sorted(wanted - set(iterations))))
+        raise ValueError(
+            f"no records of iteration(s) {missing}; records hold iteration(s) {', '.join(map(str, held)) or 'none'}"
+        )
+    return chosen, iterations
+
+
+def _collective_event(c: CollectiveRecord, rank: int, origin: float, stage_of_rank: dict[int, int]) -> dict[str, Any]:
+    args = {
+        "ranks": list(c.ranks),
+        "cross_stage": cross_stage(c, stage_of_rank),
+        "async_op": c.async_op,
+        "iteration": c.iteration,
+    }
+    return _timed_event(c.op, "collective", rank, c.start - origin, c.end - origin, args)
+
+
+def _timed_event(name: str, category: str, rank: int, start: float, end: float, args: dict) -> dict[str, Any]:
+    """A complete event on pipeline rank ``rank``'s track; times in seconds from the trace's origin."""
+    return {
+        "ph": "X",
+        "pid": PID,
+        "tid": rank,
+        "name": name,
+        "cat": category,
+        "ts": start * SECONDS_TO_US,
+        "dur": (end - start) * SECONDS_TO_US,
+        "args": args,
+    }
 
 
 def _summary(ranks: list[list[PassTime]]) -> dict[str, Any]:
