@@ -85,7 +85,16 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--enable-optimizer-post-validation",
         action="store_true",
-        help="step the optimizer before the global grad-norm/inf check completes; roll back if it fails",
+        help="step the optimizer without the global grad-norm/inf-nan all-reduce: stages pass the statistics "
+        "along the pipeline and step at once; a step that should have been skipped or clipped is undone and redone "
+        "before the next iteration's first backward",
+    )
+    group.add_argument(
+        "--optimizer-post-validation-rollback",
+        choices=("exact", "in-place"),
+        default="exact",
+        help="how a wrong step is undone: exact (a copy of the main parameters and optimizer state; bit-identical "
+        "to the synchronous step) or in-place (Adam run backwards; no copy, results within rounding); default exact",
     )
     group.add_argument(
         "--pipeline-schedule",
@@ -159,6 +168,7 @@ class ZeroBubbleSettings:
     timers: tuple[int, int] | None  # the re-planning window, None when re-planning is off
     costs_file: str | None
     post_validation: bool
+    post_validation_rollback: str
     p2p_timeout_s: float
 
 
@@ -179,11 +189,6 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     if not enabled(args):
         _refuse_zero_bubble_only_flags(args)
         return None
-    if getattr(args, "enable_optimizer_post_validation", False):
-        raise ValueError(
-            "--enable-optimizer-post-validation is not implemented in megatron-zb yet; drop it (the optimizer "
-            "then synchronises every iteration, as in megatron-core)"
-        )
     name, memory_limit = _schedule_name(args)
     pp = args.pipeline_model_parallel_size
     chunks = _virtual_chunks(args)
@@ -204,9 +209,26 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         pad_layers=pad,
         timers=_replan_window(args),
         costs_file=getattr(args, "zero_bubble_save_costs", None),
-        post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)),
+        post_validation=_post_validation(args),
+        post_validation_rollback=getattr(args, "optimizer_post_validation_rollback", "exact"),
         p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
     )
+
+
+def _post_validation(args: argparse.Namespace) -> bool:
+    if not getattr(args, "enable_optimizer_post_validation", False):
+        return False
+    if getattr(args, "log_num_zeros_in_grad", False):
+        raise ValueError(
+            "--enable-optimizer-post-validation does not support --log-num-zeros-in-grad: counting zeros needs a "
+            "global all-reduce every step; drop one of them"
+        )
+    if getattr(args, "overlap_param_gather", False):
+        raise ValueError(
+            "--enable-optimizer-post-validation does not support --overlap-param-gather: the all-gather of updated "
+            "parameters would run inside forwards that an undone step has to redo; drop one of them"
+        )
+    return True
 
 
 def _replan_window(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -329,6 +351,12 @@ def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
         raise ValueError("--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto")
     if getattr(args, "zero_bubble_v_schedule_mem_setup", "zb") != "zb":
         raise ValueError("--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule")
+    if getattr(args, "enable_optimizer_post_validation", False):
+        raise ValueError(
+            "--enable-optimizer-post-validation needs a megatron-zb schedule (--enable-zero-bubble, "
+            "--zero-bubble-v-schedule or --pipeline-schedule NAME): it redoes an iteration's first forwards when "
+            "a step is undone, which megatron-core's own schedules cannot"
+        )
     if getattr(args, "zero_bubble_save_costs", None):
         raise ValueError(
             "--zero-bubble-save-costs needs a zero-bubble schedule (--enable-zero-bubble, --zero-bubble-v-schedule "

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from .args import ZeroBubbleSettings, schedule_settings
+from .training_hooks import hook_training_loop
 
 _original: Callable | None = None
 _configured: list = []  # [settings or None] once configure() was called
@@ -23,7 +24,11 @@ _from_args: dict = {}
 
 
 def install() -> None:
-    """Route every bound copy of ``get_forward_backward_func`` through megatron-zb (idempotent)."""
+    """Route every bound copy of ``get_forward_backward_func`` through megatron-zb (idempotent).
+
+    Also hooks Megatron-LM's training loop when it is loaded (``training_hooks``): with
+    ``--enable-optimizer-post-validation`` its optimizer is post-validated.
+    """
     global _original
     from megatron.core.pipeline_parallel import schedules
 
@@ -32,6 +37,7 @@ def install() -> None:
     for module in list(sys.modules.values()):
         if getattr(module, "get_forward_backward_func", None) is _original:
             module.get_forward_backward_func = get_forward_backward_func
+    hook_training_loop(active_settings)  # optimizer post-validation in Megatron-LM's train_step
 
 
 def uninstall() -> None:

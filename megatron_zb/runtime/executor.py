@@ -38,6 +38,20 @@ class RankPlan:
     fused: frozenset[tuple[int, int, int]]  # (pipe, stage, microbatch) whose backward is one BW pass
 
 
+@dataclass(frozen=True)
+class PrefixCheck:
+    """Where this rank checks the previous optimizer step (post-validation), and how to redo its prefix.
+
+    ``passes`` is how many passes may run before the check (``schedule.speculation``);
+    ``stale`` maps each sender to the messages it sends this rank within its own prefix;
+    ``settle()`` checks the step and says whether the prefix ran on parameters that changed.
+    """
+
+    passes: int
+    stale: dict[int, int]
+    settle: Callable[[], bool]
+
+
 def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> RankPlan:
     _check_forward_order(schedule, rank)
     if forward_only:
@@ -102,6 +116,7 @@ class Executor:
         on_first_forward: Callable[[int], None] | None = None,
         profiler=None,
         receive_lookahead: int = 0,
+        prefix_check: PrefixCheck | None = None,
     ):
         self.plan, self.ctx, self.comm, self.store = plan, forward_ctx, comm, store
         self.te_layers = te_layers
@@ -117,6 +132,14 @@ class Executor:
         self.produced: dict[Pass, torch.Tensor] = {}
         self._all_receives = [m for group in plan.receives for m in group]
         self._posted = 0
+        self.check = prefix_check
+        # Before the check, post only what the prefix needs: all of it is sent inside the senders' prefixes.
+        self._limit = (
+            len(self._all_receives)
+            if prefix_check is None
+            else sum(len(group) for group in plan.receives[: prefix_check.passes])
+        )
+        self.redone = 0  # prefixes redone after a rolled-back optimizer step
         self._started_chunks: set[int] = set()
         self._dispatch = {
             PassKind.F: self._forward,
@@ -127,9 +150,16 @@ class Executor:
 
     def run(self) -> None:
         plan = self.plan
-        needed = 0
+        needed, index = 0, 0
         try:
-            for index, p in enumerate(plan.passes):
+            while index < len(plan.passes):
+                if self.check is not None and index == self.check.passes:
+                    check, self.check, self._limit = self.check, None, len(self._all_receives)
+                    if check.settle():
+                        self._redo_prefix(check)
+                        needed, index = 0, 0
+                        continue
+                p = plan.passes[index]
                 needed += len(plan.receives[index])
                 self._post(needed, ())
                 if self.profiler is not None:
@@ -140,6 +170,14 @@ class Executor:
                 chunk = plan.schedule.chunk_of(p)
                 if self.on_chunk_grads_done is not None and plan.last_w_of_chunk.get(chunk) == index:
                     self.on_chunk_grads_done(chunk)
+                index += 1
+            if self.check is not None:  # a prefix that is the whole order: check at the end
+                self.check, check = None, self.check
+                if check.settle():
+                    raise RuntimeError(
+                        f"pipeline rank {plan.rank}: the previous optimizer step was redone after this rank's "
+                        "last pass; its passes cannot be redone"
+                    )
             self.comm.finish()
         except BaseException:
             self.comm.abort()
@@ -150,8 +188,26 @@ class Executor:
         return self.comm.waited_s
 
     # -- communication ------------------------------------------------------------------------
+    def _redo_prefix(self, check: PrefixCheck) -> None:
+        """Forget the prefix, drain what the other ranks sent inside theirs, and read the data again."""
+        posted: dict[int, int] = {}
+        for message in self._all_receives[: self._posted]:
+            posted[message.src] = posted.get(message.src, 0) + 1
+        stale = []
+        for src, count in sorted(check.stale.items()):
+            for seq in range(posted.get(src, 0), count):
+                transfer = Transfer(src, f"message #{seq} of the redone prefix", False, seq)
+                stale.append((transfer, torch.empty(self.shape, dtype=self.dtype, device=self.device)))
+        self.comm.discard(stale)
+        for table in (self.inbox, self.stash, self.produced):
+            table.clear()
+        self._posted = 0
+        self._started_chunks.clear()
+        self.ctx.restart()
+        self.redone += 1
+
     def _post(self, needed: int, sends: tuple[Message, ...]) -> None:
-        upto = min(needed + self.lookahead, len(self._all_receives))
+        upto = min(needed + self.lookahead, self._limit)
         recvs = []
         for message in self._all_receives[self._posted : upto]:
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)

@@ -17,13 +17,19 @@ import torch.distributed as dist
 
 from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec, build
 from ..schedule.ir import parse_orders
+from ..schedule.speculation import Speculation, speculation
 from . import linear_split, steps
-from .executor import Executor, plan_rank
+from .executor import Executor, PrefixCheck, plan_rank
 from .p2p import DEFAULT_TIMEOUT_S, PipeComm
 from .profiler import NestedProfilers
 from .replan import Replanner, ReplanReport, ReplanWindow
+from .replay import Replay
 from .te_wgrad import delayed_wgrad_layers
 from .wgrad import WeightGradStore
+
+# A post-validated optimizer (megatron_zb.optimizer.PostValidation) sets itself on the model config
+# under this name; the runtime then checks its pending step where ``schedule.speculation`` says.
+CONFIG_ATTRIBUTE = "megatron_zb_post_validation"
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class ForwardBackward:
         self._placements: dict[int, tuple] = {}  # pp -> the first schedule's: the model chunks are built for it
         self._plans: dict[tuple, object] = {}
         self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
+        self._speculations: dict[int, Speculation] = {}
+        self.redone_prefixes = 0  # iteration prefixes redone after a rolled-back optimizer step
 
     # -- planning -----------------------------------------------------------------------------
     def schedule_for(self, pp: int, microbatches: int, chunks: int | None = None) -> Schedule:
@@ -129,6 +137,9 @@ class ForwardBackward:
         shape = _tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn)
         device = next(models[0].parameters()).device
         timer = self.replanner.begin(device) if self.replanner is not None and not forward_only else None
+        check = self._prefix_check(config, schedule, groups.pp.rank(), forward_only)
+        if check is not None:
+            iterators = [None if iterator is None else Replay(iterator) for iterator in iterators]
         linear_split.install()
         ctx = steps.ForwardContext(
             forward_step_func, iterators, models, num_microbatches, config, groups.cp_size, collect_non_loss_data
@@ -139,7 +150,9 @@ class ForwardBackward:
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
         with _grad_sync_disabled(config, models, forward_only):
-            self._executor(schedule, groups, ctx, shape, forward_only, timer).run()
+            executor = self._executor(schedule, groups, ctx, shape, forward_only, timer, check)
+            executor.run()
+            self.redone_prefixes += executor.redone
         if not forward_only and config.finalize_model_grads_func is not None:
             num_tokens = _loss_rank_tokens(ctx, groups.pp, device) if config.calculate_per_token_loss else None
             config.finalize_model_grads_func(
@@ -183,8 +196,28 @@ class ForwardBackward:
             )
         return schedule
 
+    def _prefix_check(self, config, schedule: Schedule, rank: int, forward_only: bool) -> PrefixCheck | None:
+        """With a post-validated optimizer step pending: where this rank checks it (forward-only: at once)."""
+        validation = getattr(config, CONFIG_ATTRIBUTE, None)
+        if validation is None or validation.pending is None:
+            return None
+        if forward_only:
+            validation.settle()  # nothing ran on the guessed parameters yet
+            return None
+        if id(schedule) not in self._speculations:
+            self._speculations[id(schedule)] = speculation(schedule)
+        found = self._speculations[id(schedule)]
+        return PrefixCheck(found.prefix[rank], found.sent_in_prefix[rank], validation.settle)
+
     def _executor(
-        self, schedule: Schedule, groups: Groups, ctx: steps.ForwardContext, shape, forward_only: bool, timer=None
+        self,
+        schedule: Schedule,
+        groups: Groups,
+        ctx: steps.ForwardContext,
+        shape,
+        forward_only: bool,
+        timer=None,
+        check: PrefixCheck | None = None,
     ):
         config, models = ctx.config, ctx.models
         profiler = self.profiler if self.profiler is not None and self.profiler.active else None
@@ -205,6 +238,7 @@ class ForwardBackward:
             on_first_forward=None if forward_only else _param_sync_starter(config, models),
             profiler=profiler,
             receive_lookahead=self._lookahead(groups.pp),
+            prefix_check=check,
         )
 
     def _plan(self, schedule: Schedule, rank: int, forward_only: bool):

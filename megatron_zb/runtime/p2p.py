@@ -82,10 +82,25 @@ class PipeComm:
         """The received tensor for ``key``, waiting at most the timeout."""
         transfer, work, buffer = self._recvs.pop(key)
         start = time.perf_counter()
-        _wait(work, self.timeout_s, transfer.describe(self.rank))
+        wait_work(work, self.timeout_s, transfer.describe(self.rank))
         self.waited_s += time.perf_counter() - start
         self._sender.raise_failure()
         return buffer
+
+    def discard(self, stale: list[tuple[Transfer, torch.Tensor]]) -> None:
+        """Receive and drop every posted receive, then the ``stale`` messages (a redone iteration).
+
+        After a rolled-back optimizer step, the messages sent before the check carry results
+        of the wrong parameters. Receiving them here, in order, leaves every channel at the
+        position where the redone iteration starts sending again.
+        """
+        posted, self._recvs = self._recvs, {}
+        for transfer, work, _ in posted.values():
+            wait_work(work, self.timeout_s, transfer.describe(self.rank))
+        for transfer, buffer in stale:
+            work = dist.irecv(buffer, self._global(transfer.peer), self.group, transfer.tag)
+            wait_work(work, self.timeout_s, transfer.describe(self.rank))
+        self._sender.raise_failure()
 
     def finish(self) -> None:
         """Wait for every send of the iteration; raise if any receive was never collected."""
@@ -98,7 +113,7 @@ class PipeComm:
         self._sender.close(wait=False)
 
 
-def _wait(work: dist.Work, timeout_s: float, description: str) -> None:
+def wait_work(work: dist.Work, timeout_s: float, description: str) -> None:
     start = time.monotonic()
     try:
         work.wait(timedelta(seconds=timeout_s))
@@ -134,7 +149,7 @@ class _SendWaiter:
             if self._failure is None:
                 remaining = max(self._timeout_s - (time.monotonic() - posted), 0.001)
                 try:
-                    _wait(work, remaining, transfer.describe(self._rank))
+                    wait_work(work, remaining, transfer.describe(self._rank))
                 except P2PError as error:
                     self._failure = error
             del work, tensor, item

@@ -29,6 +29,14 @@ class ForwardContext:
     num_tokens: torch.Tensor | None = None
     mark_first_microbatch: bool = True  # False on validation steps after the first (TE fp8 weight caching)
 
+    def restart(self) -> None:
+        """Start the iteration over: no losses kept, the data iterators read from their first item again."""
+        self.forward_data_store.clear()
+        self.num_tokens = None
+        for iterator in self.data_iterators:
+            if hasattr(iterator, "rewind"):
+                iterator.rewind()
+
 
 def unwrap(model: torch.nn.Module, attribute: str):
     from megatron.core.utils import get_attr_wrapped_model

@@ -35,6 +35,7 @@ class Trainee:
     optimizer: object  # megatron-core ChainedOptimizer
     scheduler: object  # OptimizerParamScheduler
     device: torch.device
+    validation: object = None  # PostValidation of the optimizer, with --enable-optimizer-post-validation
 
 
 def init_parallel(args: argparse.Namespace, device: torch.device) -> None:
@@ -127,9 +128,21 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
         config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in chunks])
     config.finalize_model_grads_func = tied_embedding_finalize(finalize_model_grads, args.placement)
     optimizer = _optimizer(args, config, chunks)
-    if args.fp16:
-        config.grad_scale_func = optimizer.scale_loss
-    return Trainee(config, chunks, optimizer, _scheduler(args, optimizer), device)
+    config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's train(): the loss scale, 1 without one
+    scheduler = _scheduler(args, optimizer)
+    validation = None
+    if args.zero_bubble is not None and args.zero_bubble.post_validation:
+        from ..optimizer import PostValidation
+
+        validation = PostValidation(
+            optimizer,
+            chunks,
+            parallel_state.get_pipeline_model_parallel_group(),
+            mode=args.zero_bubble.post_validation_rollback,
+            timeout_s=args.zero_bubble.p2p_timeout_s,
+        )
+        validation.attach_scheduler(scheduler)
+    return Trainee(config, chunks, optimizer, scheduler, device, validation)
 
 
 def _per_chunk(functions: list):

@@ -8,6 +8,7 @@ and logs in Megatron-LM's style on the last pipeline rank, where the losses arri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .build import Trainee
+from .collectives import CollectiveRecorder
 from .data import MockData
 from .gpt_step import forward_step, reduce_losses
 
@@ -44,6 +46,8 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
     runner = runner_for(args.zero_bubble) if args.zero_bubble is not None else None
     if runner is not None:
         runner.profiler = profiler
+    traced = _traced_iterations(args, start)
+    recorder = CollectiveRecorder() if traced else None
     logger = _IterationLog(args, runner)
     rows, replanned = [], False
     for iteration in range(start + 1, args.train_iters + 1):
@@ -51,36 +55,43 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
         if measure:
             profiler.iteration = iteration
             profiler.start()
-        row = _train_step(args, trainee, data, iteration)
+        if recorder is not None and iteration in traced:
+            recorder.iteration = iteration  # records between the two iterations count for the second
+            if not recorder.active:
+                recorder.start()
+        row = _train_step(args, trainee, data, iteration, recorder)
         profiler.stop()
-        if measure:
-            row["bubble_rate"] = measured.pipeline_bubble(
-                profiler.records,
-                iteration,
-                row.pop("fb_start"),
-                row.pop("fb_end"),
-                parallel_state.get_pipeline_model_parallel_group(),
-            ).mean
-            if iteration == _trace_iteration(args, start):
-                _write_trace(args, profiler, iteration, measured)
+        if recorder is not None and recorder.active and iteration == max(traced):
+            recorder.stop()
+        fb_start, fb_end = row.pop("fb_start"), row.pop("fb_end")
+        row["bubble_rate"] = (
+            measured.measured_bubble(profiler.records, iteration, fb_start, fb_end) if measure else None
+        )
+        if traced and iteration == max(traced):
+            _write_trace(args, profiler, recorder, sorted(traced), measured)
+        if iteration not in traced or iteration == max(traced):
             profiler.records.clear()
-        row.pop("fb_start", None), row.pop("fb_end", None)
-        row.setdefault("bubble_rate", None)
         if runner is not None and runner.replan_report is not None and not replanned:
             row["replan"], replanned = runner.replan_report.to_dict(), True
-        rows.append(logger.record(row))
+        rows.append(row)
+        last = iteration == args.train_iters or (bool(args.exit_interval) and iteration % args.exit_interval == 0)
+        logger.record(row, flush=last or iteration % args.log_interval == 0)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if args.save and (
             stop or iteration == args.train_iters or (args.save_interval and iteration % args.save_interval == 0)
         ):
+            if trainee.validation is not None:
+                trainee.validation.settle()  # a checkpoint holds validated parameters only
             save_checkpoint(args.save, iteration, trainee.chunks, trainee.optimizer, trainee.scheduler, _extra(args))
         if stop:
             break
+    if trainee.validation is not None:
+        trainee.validation.close()  # the last step, validated before training ends
     logger.close()
     return rows
 
 
-def _train_step(args: argparse.Namespace, trainee: Trainee, data: MockData, iteration: int) -> dict:
+def _train_step(args: argparse.Namespace, trainee: Trainee, data: MockData, iteration: int, recorder=None) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -101,7 +112,8 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: MockData, iter
         forward_only=False,
     )
     fb_end = time.perf_counter()
-    succeeded, grad_norm, _ = trainee.optimizer.step()
+    with recorder.span("optimizer step") if recorder is not None else contextlib.nullcontext():
+        succeeded, grad_norm, _ = trainee.optimizer.step()
     if succeeded:
         trainee.scheduler.step(increment=args.global_batch_size)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -123,7 +135,7 @@ def _measured(args: argparse.Namespace, iteration: int, device: torch.device, st
     """On CPU every iteration; on GPUs (timing synchronises the device) only logged or traced ones."""
     if device.type == "cpu":
         return True
-    return iteration % args.log_interval == 0 or iteration == _trace_iteration(args, start)
+    return iteration % args.log_interval == 0 or iteration in _traced_iterations(args, start)
 
 
 def _trace_iteration(args: argparse.Namespace, start: int = 0) -> int | None:
@@ -137,14 +149,30 @@ def _trace_iteration(args: argparse.Namespace, start: int = 0) -> int | None:
     return args.train_iters
 
 
-def _write_trace(args: argparse.Namespace, profiler, iteration: int, measured) -> None:
+def _traced_iterations(args: argparse.Namespace, start: int) -> set[int]:
+    """The trace shows the traced iteration and the one before (what happens between two iterations)."""
+    last = _trace_iteration(args, start)
+    if last is None or args.zero_bubble is None:
+        return set()
+    return {i for i in (last - 1, last) if i > start}
+
+
+def _write_trace(args: argparse.Namespace, profiler, recorder, iterations: list[int], measured) -> None:
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
-    gathered = measured.gather_records(profiler.records, iteration, group)
-    if gathered is not None:
-        measured.write_measured_trace(args.trace_file, gathered, args.zero_bubble.schedule, iteration)
-        log.info("wrote the measured passes of iteration %d to %s", iteration, args.trace_file)
+    gathered = measured.gather_trace(profiler.records, iterations, recorder, group)
+    if gathered is not None and parallel_state.get_data_parallel_rank() == 0:
+        measured.write_measured_trace(
+            args.trace_file,
+            gathered.passes,
+            args.zero_bubble.schedule,
+            iterations,
+            collectives_per_rank=gathered.collectives,
+            spans_per_rank=gathered.spans,
+            stage_of_rank=gathered.stage_of_rank,
+        )
+        log.info("wrote the measured passes and collectives of iterations %s to %s", iterations, args.trace_file)
 
 
 def _resume(args: argparse.Namespace, trainee: Trainee, load_checkpoint) -> int:
@@ -191,19 +219,37 @@ class _IterationLog:
         self.metrics = MetricsWriter(args.metrics_file, enabled=True) if self.logs and args.metrics_file else None
         self.window: list[dict] = []
 
-    def record(self, row: dict) -> dict:
-        if not self.logs:
-            return row
-        if self.metrics is not None:
-            self.metrics.write(**row, schedule=self.schedule)
+    def record(self, row: dict, flush: bool) -> None:
+        """Keep ``row``; at ``flush`` (every rank at the same iteration) fill in the measured bubbles and log.
+
+        The per-rank bubbles are gathered once per log interval, not every iteration: a gather
+        across pipeline stages would end every iteration with a synchronisation.
+        """
         self.window.append(row)
-        if row["iteration"] % self.args.log_interval == 0 or row["iteration"] == self.args.train_iters:
+        if not flush:
+            return
+        self._fill_bubbles()
+        if self.logs:
+            if self.metrics is not None:
+                for kept in self.window:
+                    self.metrics.write(**kept, schedule=self.schedule)
             log.info(self._line(row))
-            self.window.clear()
-        return row
+        self.window.clear()
+
+    def _fill_bubbles(self) -> None:
+        from megatron.core import parallel_state
+
+        from .measured import pipeline_bubbles
+
+        local = [row["bubble_rate"] for row in self.window]
+        if all(value is None for value in local):
+            return
+        means = pipeline_bubbles(local, parallel_state.get_pipeline_model_parallel_group())
+        for row, mean in zip(self.window, means, strict=True):
+            row["bubble_rate"] = mean
 
     def _line(self, row: dict) -> str:
-        window = self.window or [row]
+        window = self.window
         step_ms = 1000 * sum(r["iteration_time_s"] for r in window) / len(window)
         bubbles = [r["bubble_rate"] for r in window if r.get("bubble_rate") is not None]
         parts = [

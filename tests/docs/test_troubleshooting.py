@@ -66,6 +66,15 @@ def megatron(**fields) -> str:
     raise AssertionError(f"not refused: {fields}")
 
 
+def in_place_sgd() -> str:
+    import torch
+
+    from megatron_zb.optimizer.rollback import check_invertible
+
+    sub = SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    return raised(lambda: check_invertible(sub))
+
+
 def planner(*argv: str) -> str:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -178,16 +187,25 @@ def p2p_timeout(_monkeypatch) -> str:
             raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
 
     transfer = p2p.Transfer(peer=0, what="activation for F s1 mb2", send=False)
-    return raised(lambda: p2p._wait(TimedOut(), 2.0, transfer.describe(1)))
+    return raised(lambda: p2p.wait_work(TimedOut(), 2.0, transfer.describe(1)))
 
 
 # (fragment quoted in docs/user-guide.md, how to trigger it)
 CASES = [
     # schedule flags
     (
-        "--enable-optimizer-post-validation is not implemented in megatron-zb yet",
-        lambda _: train("--enable-zero-bubble --enable-optimizer-post-validation"),
+        "--enable-optimizer-post-validation needs a megatron-zb schedule",
+        lambda _: train("--enable-optimizer-post-validation"),
     ),
+    (
+        "--enable-optimizer-post-validation does not support --log-num-zeros-in-grad",
+        lambda _: megatron(enable_optimizer_post_validation=True, log_num_zeros_in_grad=True),
+    ),
+    (
+        "--enable-optimizer-post-validation does not support --overlap-param-gather",
+        lambda _: megatron(enable_optimizer_post_validation=True, overlap_param_gather=True),
+    ),
+    ("in-place rollback inverts the Adam update; this optimizer is SGD", lambda _: in_place_sgd()),
     (
         "'auto' (a limit adapted to free GPU memory) is not supported",
         lambda _: train("--enable-zero-bubble --zero-bubble-max-pending-backward auto"),

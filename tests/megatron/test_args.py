@@ -87,6 +87,16 @@ def test_replanning_window_is_on_by_default_and_can_be_turned_off() -> None:
     assert settings("--enable-zero-bubble --no-zero-bubble-replan").zero_bubble.timers is None
 
 
+def test_post_validation_flags() -> None:
+    chosen = settings("--zero-bubble-v-schedule --enable-optimizer-post-validation").zero_bubble
+    assert (chosen.post_validation, chosen.post_validation_rollback) == (True, "exact")
+    chosen = settings(
+        "--enable-zero-bubble --enable-optimizer-post-validation --optimizer-post-validation-rollback in-place"
+    ).zero_bubble
+    assert (chosen.post_validation, chosen.post_validation_rollback) == (True, "in-place")
+    assert settings("--enable-zero-bubble").zero_bubble.post_validation is False
+
+
 def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
     args = settings("--zero-bubble-v-schedule --num-layers 14 --allow-padding-num-layers")
     assert args.zero_bubble.pad_layers and args.placement.kind == "v"
@@ -123,7 +133,7 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         ("--zero-bubble-v-schedule-mem-setup half", ["needs --zero-bubble-v-schedule"]),
         ("--enable-zero-bubble --context-parallel-size 2", ["--context-parallel-size"]),
         ("--enable-zero-bubble --num-experts 4", ["MoE", "--num-experts"]),
-        ("--enable-zero-bubble --enable-optimizer-post-validation", ["--enable-optimizer-post-validation"]),
+        ("--enable-optimizer-post-validation", ["--enable-optimizer-post-validation needs a megatron-zb schedule"]),
         ("--enable-zero-bubble --global-batch-size 15", ["--global-batch-size 15", "multiple"]),
         (
             "--enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 5 --zero-bubble-pipeline-timers-end-iter 3",

@@ -23,8 +23,8 @@ from megatron_zb.training.arguments import build_parser, derive_and_check
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
-# script -> the schedule its flags select (None: refused today, see test_post_validation_is_refused_until_issue_7)
-SCRIPTS = {"zb-2p.sbatch": "zb-2p", "zb-v.sbatch": "zb-v", "v-half-post-validation.sbatch": None}
+# script -> the schedule its flags select
+SCRIPTS = {"zb-2p.sbatch": "zb-2p", "zb-v.sbatch": "zb-v", "v-half-post-validation.sbatch": "v-half"}
 NODES, GPUS = 2, 8
 ALLOCATION = {
     "SLURM_NNODES": str(NODES),
@@ -147,7 +147,7 @@ def test_nccl_environment() -> None:
     assert "NCCL_SOCKET_IFNAME=ib0" in env.splitlines(), "a user's NCCL_SOCKET_IFNAME is overwritten"
 
 
-@pytest.mark.parametrize("script", ["zb-2p.sbatch", "zb-v.sbatch"])
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_flags_select_the_schedule(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
     launch = dry_run(script)
     assert launch.entry == LAUNCHER, f"{script}: expected megatron-zb's launcher, got {launch.entry}"
@@ -201,18 +201,10 @@ def test_zb_2p_with_data_needs_the_tokenizer_files() -> None:
     assert result.returncode != 0 and "VOCAB_FILE" in result.stderr, "DATA_PATH without VOCAB_FILE was accepted"
 
 
-def test_post_validation_is_refused_until_issue_7(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Today the flag checks refuse --enable-optimizer-post-validation, and the script says so at its top.
-
-    Issue 7 flips this test: once post-validation exists, assert the schedule is v-half with
-    settings.post_validation set, as test_flags_select_the_schedule does for the others.
-    """
+def test_v_half_runs_with_post_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     script = "v-half-post-validation.sbatch"
-    assert "issue 7" in (SLURM / script).read_text().split("set -euo pipefail")[0], f"{script}: no issue 7 note"
     launch = dry_run(script)
     assert launch.entry == LAUNCHER, f"{script}: V schedules need megatron-zb's launcher, got {launch.entry}"
-    args = strict_parser().parse_args(launch.flags)
-    assert args.zero_bubble_v_schedule and args.zero_bubble_v_schedule_mem_setup == "half", f"{script}: not V-Half"
-    assert args.enable_optimizer_post_validation, f"{script}: lost --enable-optimizer-post-validation"
-    with pytest.raises(ValueError, match="--enable-optimizer-post-validation"):
-        launcher_settings(launch.flags, monkeypatch)
+    settings = launcher_settings(launch.flags, monkeypatch)
+    assert settings is not None and settings.schedule == "v-half", f"{script}: runs {settings}"
+    assert settings.post_validation and settings.post_validation_rollback == "exact", settings

@@ -64,7 +64,12 @@ def test_cli_pp4_schedules_agree_and_resume_exactly(tmp_path: Path) -> None:
         full[name] = losses_of(metrics)
     assert "iteration       10/      10" in done.stdout and "measured bubble" in done.stdout
     trace = json.loads((tmp_path / "trace.json").read_text())
-    forwards = [event["tid"] for event in trace["traceEvents"] if event.get("ph") == "X" and event["cat"] == "F"]
+    assert trace["otherData"]["iterations"] == [9, 10]  # the traced iteration and the one before
+    forwards = [
+        event["tid"]
+        for event in trace["traceEvents"]
+        if event.get("ph") == "X" and event["cat"] == "F" and event["args"]["iteration"] == 10
+    ]
     assert sorted(set(forwards)) == [0, 1, 2, 3]  # one track per pipeline rank
     assert all(forwards.count(rank) == 16 for rank in range(4))  # two V chunks x 8 microbatches
     saved = tmp_path / "checkpoints"
