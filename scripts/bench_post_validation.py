@@ -7,14 +7,11 @@ by its iterations; the table gives the median per-iteration time of each and the
 next to the simulator's period per iteration for the profiled costs (``simulate_iterations``).
 
     python scripts/bench_post_validation.py --output docs/bench_post_validation.md
-
-glibc keeps freed memory (MALLOC_* below), as in bench_runtime.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -125,27 +122,15 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--output", help="also write the table to this markdown file")
     args = parser.parse_args()
-    from megatron_zb.testing.pool import WorkerPool
+    from megatron_zb.testing.bench import report, run_on_cpu_ranks
 
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
-        os.environ.setdefault(name, str(4 << 30))
     argv = MODEL.format(
         layers=args.layers, hidden=args.hidden, seq=args.seq, batch=2 * args.microbatches, clip=args.clip,
         schedule=args.schedule,
     )  # fmt: skip
-    pool = WorkerPool(2, threads=1, timeout_s=3600)
-    try:
-        results = pool.run(measure, argv=argv, rounds=args.rounds, block=args.block)
-    finally:
-        pool.close()
+    results = run_on_cpu_ranks(2, measure, argv=argv, rounds=args.rounds, block=args.block)
     text = table(results[0], argv, args.schedule, args.microbatches, args.rounds, args.block)
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(
-                "# Post-validation benchmark\n\nMeasured with `python scripts/bench_post_validation.py --output "
-                f"{args.output}`.\n\n{text}"
-            )
+    report(text, "Post-validation benchmark", "bench_post_validation.py", args.output)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ re-planning measured.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -107,10 +106,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--output", help="also write the table to this markdown file")
     args = parser.parse_args()
-    from megatron_zb.testing.pool import WorkerPool
+    from megatron_zb.testing.bench import report, run_on_cpu_ranks
 
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # as in bench_runtime.py
-        os.environ.setdefault(name, str(4 << 30))
     pp = 2
     model = dict(
         layers=args.layers,
@@ -122,27 +119,18 @@ def main() -> None:
         heavy_block=1 if args.heavy_factor > 1 else None,
         heavy_factor=args.heavy_factor,
     )
-    pool = WorkerPool(pp, threads=1, timeout_s=3600)
-    try:
-        results = pool.run(
-            measure,
-            schedules=SCHEDULES,
-            pp=pp,
-            m=args.microbatches,
-            rounds=args.rounds,
-            warmup=args.warmup,
-            model=model,
-        )
-    finally:
-        pool.close()
+    results = run_on_cpu_ranks(
+        pp,
+        measure,
+        schedules=SCHEDULES,
+        pp=pp,
+        m=args.microbatches,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        model=model,
+    )
     text = table(results[0], pp, args.microbatches, model, args.rounds, SCHEDULES)
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(
-                "# Re-planning benchmark\n\nMeasured with `python scripts/bench_replan.py --output "
-                f"{args.output}`.\n\n{text}"
-            )
+    report(text, "Re-planning benchmark", "bench_replan.py", args.output)
 
 
 if __name__ == "__main__":

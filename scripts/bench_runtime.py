@@ -8,16 +8,12 @@ schedules are planned with those costs, as re-planning does in training.
 
     python scripts/bench_runtime.py --output docs/bench_runtime.md
 
-glibc hands large blocks back to the kernel on free and faults fresh pages in on the next
-allocation, a cost that grows with the memory a schedule holds and that GPU caching
-allocators do not have; the workers keep freed memory instead (MALLOC_* below), for every
-schedule alike.
+The workers keep freed memory (``megatron_zb.testing.bench``), for every schedule alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -132,35 +128,24 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--output", help="also write the table to this markdown file")
     args = parser.parse_args()
-    from megatron_zb.testing.pool import WorkerPool
+    from megatron_zb.testing.bench import report, run_on_cpu_ranks
 
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # read by the spawned workers' glibc
-        os.environ.setdefault(name, str(4 << 30))
     pp = 2
     model = dict(
         layers=args.layers, hidden=args.hidden, heads=8, seq=args.seq, micro_batch=args.micro_batch, vocab=1024
     )
-    pool = WorkerPool(pp, threads=1, timeout_s=3600)
-    try:
-        results = pool.run(
-            measure,
-            schedules=SCHEDULES,
-            pp=pp,
-            m=args.microbatches,
-            rounds=args.rounds,
-            warmup=args.warmup,
-            model=model,
-        )
-    finally:
-        pool.close()
+    results = run_on_cpu_ranks(
+        pp,
+        measure,
+        schedules=SCHEDULES,
+        pp=pp,
+        m=args.microbatches,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        model=model,
+    )
     text = table(results[0], pp, args.microbatches, model, args.rounds, SCHEDULES)
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(
-                "# Runtime benchmark\n\nMeasured with `python scripts/bench_runtime.py --output "
-                f"{args.output}`.\n\n{text}"
-            )
+    report(text, "Runtime benchmark", "bench_runtime.py", args.output)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_zb.testing.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 REGENERATE = "python scripts/gen_flags_doc.py"
-
-
-def load_script(name: str):
-    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_docs_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 gen = load_script("gen_flags_doc")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,18 +10,11 @@ import pytest
 from megatron_zb.cli import main
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 from megatron_zb.schedule.simulate import simulate
+from megatron_zb.testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 REGENERATE = "python scripts/gen_gallery.py"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_docs_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 gen = load_script("gen_gallery")
