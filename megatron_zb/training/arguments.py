@@ -48,6 +48,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default dynamic)")
     group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    group.add_argument("--min-loss-scale", type=float, default=1.0)
+    group.add_argument(
+        "--loss-scale-window", type=float, default=1000, help="fp16: steps without inf/nan before the scale doubles"
+    )
+    group.add_argument(
+        "--hysteresis", type=int, default=2, help="fp16: inf/nan steps tolerated before the scale halves"
+    )
 
 
 def _parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,8 @@ TRANSFORMER_FIELDS = (
 )  # fmt: skip
 OPTIMIZER_FIELDS = (
     "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "fp16",
-    "bf16", "loss_scale", "initial_loss_scale", "use_distributed_optimizer",
+    "bf16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
+    "use_distributed_optimizer",
 )  # fmt: skip
 
 
