@@ -8,6 +8,7 @@ other built schedule beats on one metric without losing on the other. Pure Pytho
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from .schedule import comm
@@ -184,6 +185,10 @@ def _sort_key(row: Row) -> tuple:
 
 def compare(spec: ScheduleSpec) -> Comparison:
     """Build and simulate every non-composite registered schedule for ``spec``'s setting."""
+    if spec.memory_limit is not None and not math.isfinite(spec.memory_limit):
+        raise ScheduleError(
+            f"--memory-limit must be a finite number (leave it out for no limit), got {spec.memory_limit}"
+        )
     costs = spec.cost_model()
     spec = replace(spec, costs=costs)
     built, refused = [], []

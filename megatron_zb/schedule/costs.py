@@ -7,6 +7,8 @@ microbatch's activations of a full stage. T_comm is a latency per cross-rank edg
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +16,8 @@ from .ir import Pass, PassKind, ScheduleError
 from .placement import Placement
 
 PerStage = tuple[float, ...]
+# Larger magnitudes make the simulator's sums lose the precision its 1e-9 comparisons rely on (or overflow).
+MAX_MAGNITUDE = 1e15
 
 FLAGS = {
     "t_f": "--cost-f",
@@ -30,7 +34,18 @@ def _name(field_name: str) -> str:
     return f"{field_name} ({FLAGS[field_name]})"
 
 
+def _check_finite(name: str, values: Sequence[float]) -> None:
+    """NaN and infinity never compare as a simulator expects (a NaN arrival is never ready: the planner would hang)."""
+    bad = [v for v in values if not math.isfinite(v) or abs(v) > MAX_MAGNITUDE]
+    if bad:
+        raise ScheduleError(
+            f"{_name(name)} must be finite numbers of magnitude at most {MAX_MAGNITUDE:g}, got {bad[0]!r}"
+        )
+
+
 def _per_stage(name: str, values: float | Sequence[float], pp: int) -> PerStage:
+    if isinstance(values, bool) or (not isinstance(values, (int, float)) and any(isinstance(v, bool) for v in values)):
+        raise ScheduleError(f"{_name(name)} must be numbers, got {values!r}")
     if isinstance(values, (int, float)):
         return (float(values),) * pp
     values = tuple(float(v) for v in values)
@@ -53,13 +68,20 @@ class CostModel:
     mem_w: PerStage = field(default=(-0.5,))
 
     def __post_init__(self) -> None:
+        if isinstance(self.pp, bool) or not isinstance(self.pp, numbers.Integral) or self.pp < 1:
+            raise ScheduleError(f"pp must be a whole number >= 1, got {self.pp!r}")
         for name in ("t_f", "t_b", "t_w", "mem_f", "mem_b", "mem_w"):
             object.__setattr__(self, name, _per_stage(name, getattr(self, name), self.pp))
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w"):
+            values = getattr(self, name)
+            _check_finite(name, values if isinstance(values, tuple) else (values,))
         for name in ("t_f", "t_b", "t_w"):
             if any(v < 0 for v in getattr(self, name)):
                 raise ScheduleError(f"{_name(name)} must not be negative: {getattr(self, name)}")
         if self.t_comm < 0:
             raise ScheduleError(f"{_name('t_comm')} must not be negative, got {self.t_comm}")
+        if any(v < 0 for v in self.mem_f):
+            raise ScheduleError(f"{_name('mem_f')} is what F allocates and must not be negative: {self.mem_f}")
         for stage in range(self.pp):
             total = self.mem_f[stage] + self.mem_b[stage] + self.mem_w[stage]
             if abs(total) > 1e-9:

@@ -8,6 +8,7 @@ user can study other schedules and limits for their own model offline.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def save_costs(path: str | Path, measured: MeasuredCosts) -> None:
 
 
 def load_costs(path: str | Path) -> MeasuredCosts:
-    """The file's costs and setting; ScheduleError naming the file when it is not one of ours."""
+    """The file's costs and setting; ScheduleError naming the file and the field when it is not one of ours."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -62,21 +63,65 @@ def load_costs(path: str | Path) -> MeasuredCosts:
             "write one with the training flag --zero-bubble-save-costs FILE"
         )
     try:
-        costs = CostModel(int(data["pp"]), **{name: _value(data["costs"][name]) for name in _COST_FIELDS})
-    except (KeyError, TypeError, ValueError) as error:
-        raise ScheduleError(f"--costs-from {path}: incomplete costs ({error!r} missing or malformed)") from None
+        return _measured(data)
+    except ScheduleError as error:
+        raise ScheduleError(f"--costs-from {path}: {error}") from None
+
+
+def _measured(data: dict) -> MeasuredCosts:
+    costs = data.get("costs")
+    if not isinstance(costs, dict):
+        raise ScheduleError('"costs" must be an object with ' + ", ".join(f'"{name}"' for name in _COST_FIELDS))
+    missing = [name for name in _COST_FIELDS if name not in costs]
+    if missing:
+        raise ScheduleError(f'"costs" lacks {", ".join(repr(name) for name in missing)}')
+    pp = _whole(data, "pp")
+    if pp is None:
+        raise ScheduleError('"pp" is missing: the pipeline size the costs were measured at')
+    model = CostModel(pp, **{name: _value(name, costs[name]) for name in _COST_FIELDS})
+    memory_limit = data.get("memory_limit")
+    if memory_limit is not None and not (_is_number(memory_limit) and math.isfinite(memory_limit) and memory_limit > 0):
+        raise ScheduleError(f'"memory_limit" must be a finite number > 0 or null, got {memory_limit!r}')
+    schedule = data.get("schedule")
+    if schedule is not None and not isinstance(schedule, str):
+        raise ScheduleError(f'"schedule" must be a schedule name or null, got {schedule!r}')
     iterations = data.get("iterations")
+    if iterations is not None and not (
+        isinstance(iterations, list) and len(iterations) == 2 and all(_is_whole(v) for v in iterations)
+    ):
+        raise ScheduleError(f'"iterations" must be [first, last] timed iterations or null, got {iterations!r}')
     known = {"format", "unit", "pp", "costs", "schedule", "microbatches", "chunks", "memory_limit", "iterations"}
     return MeasuredCosts(
-        costs,
-        schedule=data.get("schedule"),
-        microbatches=data.get("microbatches"),
-        chunks=data.get("chunks"),
-        memory_limit=data.get("memory_limit"),
+        model,
+        schedule=schedule,
+        microbatches=_whole(data, "microbatches"),
+        chunks=_whole(data, "chunks"),
+        memory_limit=memory_limit,
         iterations=tuple(iterations) if iterations else None,
         extra={key: value for key, value in data.items() if key not in known},
     )
 
 
-def _value(value):
-    return tuple(float(v) for v in value) if isinstance(value, list) else float(value)
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _whole(data: dict, name: str) -> int | None:
+    """A count of the file: a whole number >= 1, or absent/null."""
+    value = data.get(name)
+    if value is not None and (not _is_whole(value) or value < 1):
+        raise ScheduleError(f'"{name}" must be a whole number >= 1, got {value!r}')
+    return value
+
+
+def _value(name: str, value):
+    """A cost: a number or a list of numbers (CostModel checks they are finite and in range)."""
+    if _is_number(value):
+        return float(value)
+    if isinstance(value, list) and value and all(_is_number(v) for v in value):
+        return tuple(float(v) for v in value)
+    raise ScheduleError(f'"costs"."{name}" must be a number or a list of numbers, got {value!r}')

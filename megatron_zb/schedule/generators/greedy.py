@@ -12,6 +12,10 @@ Memory is admitted per microbatch: a rank's first F of a microbatch needs room l
 F on each of the rank's later chunks (the V turn). Without it a rank could fill up with
 early chunks while the F that lets the oldest microbatch turn has no room: a deadlock.
 With it the oldest microbatch can always advance, so the scheduler never stalls.
+
+Every step either places a pass or moves a rank's clock to a known arrival, so the number of
+steps is linear in the number of passes (``step_bound``); a cost model that breaks this (NaN
+times are never "ready") ends with a ScheduleError instead of looping forever.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ _ORDER = product((True, False), (True, False), (False, True), (True, False))
 ALL_SWITCHES = tuple(
     Switches(prefer_b, protect, fill_fit, depth_first) for depth_first, fill_fit, protect, prefer_b in _ORDER
 )
+
+
+def step_bound(placement: Placement, microbatches: int) -> int:
+    """More steps than the list scheduler takes for finite costs: passes x (waits per pass), with room to spare.
+
+    A rank waits at most once per arrival it can see (two per chunk) between two of its passes, and once
+    per pass another rank finishes; every pass wakes at most one rank.
+    """
+    passes = 3 * microbatches * placement.num_stages
+    return 4 * (2 * placement.chunks + 3) * (passes + placement.pp) + 1000
 
 
 def min_memory_limit(placement: Placement, costs: CostModel) -> float:
@@ -83,7 +97,7 @@ def greedy_orders(
 class _Greedy:
     def __init__(self, placement: Placement, costs: CostModel, m: int, limit: float | None, switches: Switches):
         pl, c = placement, placement.chunks
-        self.m, self.sw = m, switches
+        self.m, self.sw, self.placement = m, switches, placement
         self.limit = float("inf") if limit is None else limit + EPS
         self.comm = costs.t_comm
         n = pl.num_stages
@@ -113,6 +127,7 @@ class _Greedy:
         self.remaining = [3 * m * len(stages) for stages in self.stages]
         self.sleeping = [False] * p
         self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
+        self.steps_left = step_bound(pl, m)
 
     def _f_arrival(self, s: int, k: int) -> float | None:
         if s == 0:
@@ -138,6 +153,7 @@ class _Greedy:
         while True:
             while self.heap:
                 t, r = heapq.heappop(self.heap)
+                self._count_step()
                 self._step(r, t)
             held = [r for r in range(len(self.orders)) if self.remaining[r] and self.pending[r]]
             if not held:
@@ -151,6 +167,15 @@ class _Greedy:
         firsts = [first for first in self.first if first is not None]
         span = max(end - first for end, first in zip(self.free, self.first, strict=True) if first is not None)
         return Result(self.orders, span, max(self.free) - min(firsts), max(self.peak))
+
+    def _count_step(self) -> None:
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            raise ScheduleError(
+                f"the list scheduler did not finish within {step_bound(self.placement, self.m)} steps for "
+                f"{self.n} stages x {self.m} microbatches: the costs must be finite numbers (NaN or infinite "
+                "times never become ready)"
+            )
 
     def _asap(self, r: int, ready: float, duration: float) -> float:
         """Start the pass as early as the order allows; returns its end."""

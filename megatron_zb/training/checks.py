@@ -1,0 +1,336 @@
+"""The rules for every flag the launcher reads, checked once before any process starts.
+
+Megatron-LM's ``validate_args`` asserts many of them (sizes positive, the global batch an exact
+multiple of micro batch x data parallel, positions >= sequence, min-lr <= lr); torch and
+megatron-core assert the rest deep inside each rank (dropout, Adam's betas, the loss scaler,
+the learning-rate schedule's warm-up < decay). Here each one is a ValueError that names the flag,
+the value and what would work. ``check_given`` runs on the values as typed, before defaults fill
+them in (``--global-batch-size 0`` must not quietly become micro batch x data parallel) and
+before anything divides by them. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SEED_LIMIT = 2**32  # numpy's seed range, which Megatron-LM's _set_random_seed uses
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or half-open interval of finite numbers; ``str`` says it the way a message does."""
+
+    low: float
+    high: float = math.inf
+    high_open: bool = False  # [low, high) instead of [low, high]
+    low_open: bool = False  # (low, ...] instead of [low, ...]
+
+    def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"in {left}{self.low:g}, {self.high:g}{right}"
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+PROBABILITY = Range(0, 1, high_open=True)  # dropout and Adam's betas: 1 would zero every value / never forget
+
+# Integers that count something: at least 1. None (not given) takes the default later.
+COUNTS = (
+    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+    "log_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "make_vocab_size_divisible_by", "cpu_threads", "hysteresis",
+    "ffn_hidden_size", "max_position_embeddings", "vocab_size", "global_batch_size",
+    "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "lr_decay_iters",
+    "save_interval", "exit_interval", "cpu_procs", "trace_iteration",
+)  # fmt: skip
+# Real-valued flags: NaN and infinity are refused everywhere.
+NUMBERS = {
+    "lr": NON_NEGATIVE,
+    "min_lr": NON_NEGATIVE,
+    "hidden_dropout": PROBABILITY,
+    "attention_dropout": PROBABILITY,
+    "init_method_std": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE,
+    "adam_beta1": PROBABILITY,
+    "adam_beta2": PROBABILITY,
+    "adam_eps": NON_NEGATIVE,
+    "clip_grad": NON_NEGATIVE,
+    "loss_scale": POSITIVE,
+    "initial_loss_scale": POSITIVE,
+    "min_loss_scale": POSITIVE,
+    "loss_scale_window": Range(1),
+    "distributed_timeout_minutes": POSITIVE,  # a float: tests use seconds
+}
+WHY = {
+    "micro_batch_size": "samples per microbatch",
+    "train_iters": "iterations to train",
+    "log_interval": "iterations between log lines",
+    "save_interval": "iterations between checkpoints; leave it out to save only at the end",
+    "exit_interval": "leave it out to train all --train-iters",
+    "global_batch_size": "or leave it out for micro batch x data parallel",
+    "cpu_threads": "torch threads per --cpu process",
+    "cpu_procs": "--cpu processes",
+    "lr": "0 keeps the weights fixed",
+    "hidden_dropout": "0 turns dropout off",
+    "attention_dropout": "0 turns dropout off",
+    "clip_grad": "0 turns clipping off",
+    "loss_scale": "leave it out for the dynamic scale",
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _why(name: str) -> str:
+    return f" ({WHY[name]})" if name in WHY else ""
+
+
+def check_count(name: str, value: int | None, low: int = 1) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{flag(name)} must be at least {low}{_why(name)}, got {value}")
+
+
+def check_number(name: str, value: float | None, allowed: Range) -> None:
+    if value is not None and value not in allowed:
+        raise ValueError(f"{flag(name)} must be a finite number {allowed}{_why(name)}, got {value}")
+
+
+def check_given(args: argparse.Namespace) -> None:
+    """Every number as given: counts >= 1, real numbers finite and in range; ValueError names the flag."""
+    for name in COUNTS:
+        check_count(name, getattr(args, name, None))
+    check_count("lr_warmup_iters", getattr(args, "lr_warmup_iters", None), low=0)
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be between 0 and {SEED_LIMIT - 1}, got {seed}")
+    for name, allowed in NUMBERS.items():
+        check_number(name, getattr(args, name, None), allowed)
+    check_zero_bubble_numbers(args)
+
+
+def check_zero_bubble_numbers(args: argparse.Namespace) -> None:
+    """megatron-zb's own numbers; every route calls this (launcher, --megatron-lm, the patched pretrain_gpt)."""
+    check_number("zero_bubble_p2p_timeout", getattr(args, "zero_bubble_p2p_timeout", None), POSITIVE)
+    check_number("zero_bubble_memory_limit", getattr(args, "zero_bubble_memory_limit", None), POSITIVE)
+
+
+# megatron-zb's settings that only a megatron-zb schedule reads, with their defaults.
+ZERO_BUBBLE_SETTINGS = {
+    "zero_bubble_p2p_timeout": 600.0,
+    "zero_bubble_pipeline_timers_start_iter": 100,
+    "zero_bubble_pipeline_timers_end_iter": 110,
+    "optimizer_post_validation_rollback": "exact",
+}
+
+
+def refuse_zero_bubble_settings(args: argparse.Namespace) -> None:
+    """Without a megatron-zb schedule these change nothing: refused rather than silently ignored."""
+    given = [name for name, default in ZERO_BUBBLE_SETTINGS.items() if getattr(args, name, default) != default]
+    if given:
+        raise ValueError(
+            f"{flag(given[0])} applies to megatron-zb schedules only and would have no effect here; choose one "
+            "(--enable-zero-bubble, --zero-bubble-v-schedule or --pipeline-schedule NAME) or drop the flag"
+        )
+
+
+def check_derived(args: argparse.Namespace) -> None:
+    """The relations between flags, once defaults are filled in and the data-parallel size is known."""
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} does not divide by --num-attention-heads {args.num_attention_heads} "
+            f"(Megatron-LM's rule: every head gets hidden/heads channels); use a multiple of {args.num_attention_heads}"
+        )
+    if args.max_position_embeddings < args.seq_length:
+        raise ValueError(
+            f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length {args.seq_length}: "
+            f"positions past it have no embedding; give at least {args.seq_length} (or leave it out)"
+        )
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}; give a --min-lr of at most {args.lr}")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+            "(default: --train-iters), as megatron-core's learning-rate schedule requires; "
+            f"use at most {args.lr_decay_iters - 1}"
+        )
+    if args.fp16 and args.min_loss_scale > args.initial_loss_scale:
+        raise ValueError(
+            f"--min-loss-scale {args.min_loss_scale:g} is above --initial-loss-scale {args.initial_loss_scale:g}; "
+            "give a minimum at most the initial scale"
+        )
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        nearest = per_step * max(1, round(args.global_batch_size / per_step))
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step} (the samples "
+            f"left over would be dropped); use a multiple such as {nearest}"
+        )
+
+
+def refuse_cpu_flags(args: argparse.Namespace) -> None:
+    """--cpu-threads sets the spawned processes' threads; under torchrun nothing reads it."""
+    if not args.cpu and args.cpu_threads != 1:
+        raise ValueError(
+            f"--cpu-threads {args.cpu_threads} needs --cpu (it sets the threads of the processes --cpu spawns); "
+            "under torchrun set OMP_NUM_THREADS instead"
+        )
+
+
+def check_megatron_lm_launch(launch: argparse.Namespace) -> None:
+    """The flags ``megatron-zb train --megatron-lm`` reads itself (Megatron-LM's validate_args checks the rest)."""
+    check_count("cpu_procs", launch.cpu_procs)
+    check_count("cpu_threads", launch.cpu_threads)
+    if not launch.cpu and (launch.cpu_procs is not None or launch.cpu_threads != 1):
+        name = "--cpu-procs" if launch.cpu_procs is not None else "--cpu-threads"
+        raise ValueError(f"{name} needs --cpu (under torchrun the launcher sets the processes and threads)")
+    if launch.metrics_file:
+        writable_file("--metrics-file", launch.metrics_file)
+
+
+def check_placement(args: argparse.Namespace) -> None:
+    """Several model chunks per rank need a pipeline, as in Megatron-LM (interleaving needs pp > 1)."""
+    if args.pipeline_model_parallel_size > 1:
+        return
+    if args.zero_bubble is not None and args.placement.chunks > 1:
+        chosen = f"--pipeline-schedule {args.zero_bubble.schedule}"
+        if args.pipeline_schedule is None and args.zero_bubble_v_schedule:
+            chosen = f"--zero-bubble-v-schedule ({args.zero_bubble.schedule})"
+    elif (args.virtual_pipeline_model_parallel_size or 1) > 1:
+        chosen = f"--virtual-pipeline-model-parallel-size {args.virtual_pipeline_model_parallel_size}"
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
+        chosen = f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
+    else:
+        return
+    raise ValueError(
+        f"{chosen} runs several model chunks on each pipeline rank and needs --pipeline-model-parallel-size 2 "
+        "or more (as Megatron-LM's interleaved schedule); at pipeline size 1 leave the chunk and schedule flags out "
+        "or use --pipeline-schedule 1f1b"
+    )
+
+
+def check_replan_window(args: argparse.Namespace) -> None:
+    """A costs file that would never be written is refused: the timed window must end within the run."""
+    settings = args.zero_bubble
+    if settings is None or settings.timers is None or not settings.costs_file:
+        return
+    end = settings.timers[1]
+    if end > args.train_iters:
+        raise ValueError(
+            f"--zero-bubble-save-costs {settings.costs_file}: the costs are measured up to iteration {end} "
+            f"(--zero-bubble-pipeline-timers-end-iter) but --train-iters is {args.train_iters}, so nothing would be "
+            "written; end the window within the run, e.g. --zero-bubble-pipeline-timers-start-iter 2 "
+            f"--zero-bubble-pipeline-timers-end-iter {min(3, args.train_iters)}"
+        )
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every path the run writes is writable now, not after training reached it; file folders are created."""
+    for name in ("metrics_file", "trace_file"):
+        if getattr(args, name, None):
+            writable_file(flag(name), getattr(args, name))
+    if args.zero_bubble is not None and args.zero_bubble.costs_file:
+        writable_file("--zero-bubble-save-costs", args.zero_bubble.costs_file)
+    if args.save:
+        writable_folder("--save", args.save)
+
+
+def writable_file(option: str, path: str) -> None:
+    """Create the file's folder and make sure a file can be written there; ValueError names the option."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a folder; give a file name inside it")
+    existing = _nearest_existing(target.parent)
+    if not existing.is_dir():
+        raise ValueError(f"{option} {path} is under the file {existing}, not a folder; choose another path")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot create its folder ({_reason(error)}); choose another path") from None
+    if target.exists():
+        if not os.access(target, os.W_OK):
+            raise ValueError(f"{option} {path}: the file is not writable; choose another path")
+        return
+    _probe(option, path, target.parent)
+
+
+def writable_folder(option: str, path: str) -> None:
+    """The folder exists and takes files, or can be created (nothing is created here)."""
+    target = Path(path)
+    existing = _nearest_existing(target)
+    if not existing.is_dir():
+        where = "is a file" if existing == target else f"is under the file {existing}"
+        raise ValueError(f"{option} {path} {where}, not a folder; choose a folder path")
+    _probe(option, path, existing)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _probe(option: str, path: str, folder: Path) -> None:
+    """Create and remove a temporary file in ``folder``: permissions, read-only mounts and /proc all show."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".megatron-zb-write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot write in {folder} ({_reason(error)}); choose another path") from None
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or type(error).__name__
+
+
+def given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> set[str]:
+    """The flags set to something other than their default (call before defaults are derived)."""
+    return {name for name, value in vars(args).items() if value != parser.get_default(name)}
+
+
+def unused(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """Flags given a value that changes nothing in this setting: warnings, not errors (Megatron-LM accepts them)."""
+    notes = []
+    if not args.fp16:
+        dynamic = [name for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")]
+        notes += [f"{flag(name)} applies to --fp16 only; it has no effect here" for name in dynamic if name in given]
+        if "loss_scale" in given and not args.bf16:
+            notes.append("--loss-scale applies to --fp16 or --bf16 only; it has no effect here")
+    elif "loss_scale" in given:
+        notes += [
+            f"{flag(name)} sets the dynamic loss scale, which --loss-scale replaces; it has no effect here"
+            for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+            if name in given
+        ]
+    if args.optimizer == "sgd":
+        notes += [
+            f"{flag(name)} applies to --optimizer adam only; it has no effect here"
+            for name in ("adam_beta1", "adam_beta2", "adam_eps")
+            if name in given
+        ]
+    if args.lr_decay_style == "constant":
+        notes += [
+            f"{flag(name)} has no effect with --lr-decay-style constant"
+            for name in ("min_lr", "lr_decay_iters")
+            if name in given
+        ]
+    if "no_zero_bubble_replan" in given and args.zero_bubble is None:
+        notes.append("--no-zero-bubble-replan applies to megatron-zb schedules only; it has no effect here")
+    if args.exit_interval is not None and args.exit_interval > args.train_iters:
+        notes.append(f"--exit-interval {args.exit_interval} is beyond --train-iters {args.train_iters}: no effect")
+    return notes
