@@ -310,6 +310,24 @@ class MetricsWriter:
         self._file.flush()
         return record
 
+    def drop_after(self, iteration: int) -> int:
+        """Remove the lines of iterations after ``iteration``; returns how many went.
+
+        A run resumed from the checkpoint of ``iteration`` logs the iterations after it again;
+        without this the file would hold them twice. A torn last line (a killed run) goes too.
+        The file is replaced through a temporary file, so a kill here loses nothing.
+        """
+        if not self.enabled or not self.path.is_file():
+            return 0
+        self.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if _iteration_of(line) is not None and _iteration_of(line) <= iteration]
+        if len(kept) < len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            tmp.replace(self.path)
+        return len(lines) - len(kept)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -320,6 +338,13 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _iteration_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["iteration"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_metrics(path: str | Path) -> list[dict]:

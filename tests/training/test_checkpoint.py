@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_zb.testing.pool import WorkerPool
-from megatron_zb.training.checkpoint import TRACKER, load_checkpoint
+from megatron_zb.training.checkpoint import MANIFEST, TRACKER, CheckpointMissing, load_checkpoint
 
 M = 4
 CASES = {
@@ -152,13 +152,14 @@ def test_resume_is_exact(pool, tmp_path, case):
     expected_dirs = {f"mp_rank_00_{pp:03d}{dp}" for pp in range(2) for dp in suffixes}
     assert {p.name for p in iteration.iterdir() if p.is_dir()} == expected_dirs
     assert all((iteration / d / "model_optim_rng.pt").is_file() for d in expected_dirs)
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert sorted(p.name for p in iteration.iterdir() if p.is_file()) == [MANIFEST, "metadata.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", TRACKER]  # no temporary left
 
 
 def refusals(directory: str) -> dict:
     """Messages of the errors a mismatched resume raises (pp=2 checkpoint, then other settings)."""
     from megatron_zb.testing.parallel import init_parallel
-    from megatron_zb.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_zb.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     run = Run("zb-h1", False, torch.float32)
     save_checkpoint(directory, 1, run.chunks, run.optimizer, run.scheduler)
@@ -167,7 +168,7 @@ def refusals(directory: str) -> dict:
     def attempt(key: str, *args, **kwargs) -> None:
         try:
             load_checkpoint(directory, *args, **kwargs)
-        except (ValueError, FileNotFoundError) as error:
+        except CheckpointError as error:
             messages[key] = f"{type(error).__name__}: {error}"
 
     attempt("chunks", run.chunks * 2, None, None)
@@ -179,17 +180,21 @@ def refusals(directory: str) -> dict:
 
 def test_mismatched_resume_is_refused(pool, tmp_path):
     for messages in pool.run(refusals, directory=str(tmp_path)):
-        assert messages["chunks"].startswith("ValueError") and "chunks: checkpoint 1, this run 2" in messages["chunks"]
-        assert messages["pp"].startswith("ValueError")
+        # every rank raises the same error, decided together
+        assert messages["chunks"].startswith("CheckpointError: every rank: checkpoint ")
+        assert "chunks: checkpoint 1, this run 2" in messages["chunks"]
+        assert messages["pp"].startswith("CheckpointError: every rank: checkpoint ")
         assert "pp: checkpoint 2, this run 1" in messages["pp"] and "dp: checkpoint 2, this run 4" in messages["pp"]
-        assert messages["iteration"].startswith("FileNotFoundError")
-        assert "iteration 7" in messages["iteration"] and "iter_0000001" in messages["iteration"]
+        assert messages["iteration"] == (
+            f"CheckpointError: every rank: no checkpoint of iteration 7 in {tmp_path}: expected "
+            f"{tmp_path / 'iter_0000007'}; complete checkpoints there: iter_0000001"
+        )
 
 
 def test_missing_directory_is_named(tmp_path):
     missing = tmp_path / "no-such-run"
-    with pytest.raises(FileNotFoundError, match="no checkpoint in .*no-such-run.*does not exist.*" + TRACKER):
+    with pytest.raises(CheckpointMissing, match="^no checkpoint in .*no-such-run: the directory does not exist$"):
         load_checkpoint(missing, [], None, None)
     Path(missing).mkdir()
-    with pytest.raises(FileNotFoundError, match=f"{TRACKER} is missing"):
+    with pytest.raises(CheckpointMissing, match=f"{TRACKER} is missing and there is no iter_\\* folder"):
         load_checkpoint(missing, [], None, None)
