@@ -16,9 +16,11 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 log = logging.getLogger("megatron_zb.train")
+STARTUP_TIMEOUT = timedelta(minutes=5)  # for every rank to import and connect, whatever the group timeout
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .megatron_lm import MegatronLMMissing, run
 
         try:
-            return run([arg for arg in argv if arg != "--megatron-lm"])
+            return run(argv)
         except MegatronLMMissing as error:
             print(f"megatron-zb train: {error}", file=sys.stderr)
             return 2
@@ -39,22 +41,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_under_launcher(args)
 
 
-def _spawn_cpu(args: argparse.Namespace) -> int:
+def _spawn_cpu(args: argparse.Namespace, worker: Callable | None = None) -> int:
+    """Spawn the gloo ranks and supervise them (timeouts reported by name, SIGINT/SIGTERM end all).
+
+    ``worker`` replaces ``_cpu_worker`` (same arguments), for tests that inject faults.
+    """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    from .training.watchdog import caught_signals, supervise
+
     # The rendezvous store lives here for the whole run: its port cannot be taken meanwhile.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port = store.port
-    try:
-        mp.spawn(_cpu_worker, args=(args, port, list(sys.path)), nprocs=args.world_size, join=True)
-    except mp.ProcessRaisedException as error:
-        print(f"megatron-zb train: a rank failed:\n{error}", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as error:
-        print(f"megatron-zb train: {error}", file=sys.stderr)
-        return 1
-    return 0
+    with caught_signals() as received:  # from here on SIGINT/SIGTERM end the ranks, never orphan them
+        context = mp.start_processes(
+            worker or _cpu_worker, args=(args, store.port, list(sys.path)), nprocs=args.world_size, join=False
+        )
+        return supervise(context.processes, store, lambda rank: _failure(context, rank), received)
+
+
+def _failure(context, rank: int) -> str:
+    """What rank ``rank`` of a ``torch.multiprocessing`` context died of: its traceback or its exit."""
+    import pickle
+    import signal
+
+    path, code = context.error_files[rank], context.processes[rank].exitcode
+    if os.access(path, os.R_OK):
+        with open(path, "rb") as file:
+            return f"rank {rank} failed:\n{pickle.load(file)}"
+    if code < 0:
+        return f"rank {rank} was ended by {signal.Signals(-code).name}"
+    return f"rank {rank} exited with code {code}"
 
 
 def _cpu_worker(rank: int, args: argparse.Namespace, port: int, path: list[str]) -> None:
@@ -67,16 +84,33 @@ def _cpu_worker(rank: int, args: argparse.Namespace, port: int, path: list[str])
     import torch.distributed as dist
 
     from . import cpu
+    from .training.watchdog import store_publisher
 
     torch.set_num_threads(args.cpu_threads)
     cpu.enable()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STARTUP_TIMEOUT)
+    _all_started(store, rank, args.world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=args.world_size, timeout=distributed_timeout(args)
+    )
     _configure_logging()
+    publisher = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STARTUP_TIMEOUT)
     try:
-        run_rank(args, torch.device("cpu"), gloo=True)
+        run_rank(args, torch.device("cpu"), gloo=True, publish=store_publisher(publisher, rank))
     finally:
         dist.destroy_process_group()
+
+
+def _all_started(store, rank: int, world_size: int) -> None:
+    """Wait for every rank's imports (seconds each, uneven) before the group starts counting its timeout."""
+    if store.add("megatron_zb/started", 1) == world_size:
+        store.set("megatron_zb/all_started", "1")
+    store.wait(["megatron_zb/all_started"], STARTUP_TIMEOUT)
+
+
+def distributed_timeout(args: argparse.Namespace) -> timedelta:
+    """``--distributed-timeout-minutes`` as the timeout of every process group."""
+    return timedelta(minutes=args.distributed_timeout_minutes)
 
 
 def _run_under_launcher(args: argparse.Namespace) -> int:
@@ -95,23 +129,29 @@ def _run_under_launcher(args: argparse.Namespace) -> int:
         return 2
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
-    dist.init_process_group(args.distributed_backend, device_id=device)
+    dist.init_process_group(args.distributed_backend, device_id=device, timeout=distributed_timeout(args))
     _configure_logging()
     try:
-        run_rank(args, device, gloo=args.distributed_backend == "gloo")
+        # No common parent here: each rank logs its own status once it waits past the timeout.
+        run_rank(args, device, gloo=args.distributed_backend == "gloo", publish=None)
     finally:
         dist.destroy_process_group()
     return 0
 
 
-def run_rank(args: argparse.Namespace, device, gloo: bool) -> list[dict]:
-    """Train this rank (process group already up); returns the per-iteration rows it logged."""
+def run_rank(args: argparse.Namespace, device, gloo: bool, publish: Callable[[dict], None] | None = None) -> list[dict]:
+    """Train this rank (process group already up); returns the per-iteration rows it logged.
+
+    A ``RankWatchdog`` names what the rank waits for while it trains; ``publish`` receives its
+    status records (the launcher's store with ``--cpu``), or, with None, the rank logs its own.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from .megatron.install import configure, install
     from .training.build import build, init_parallel
     from .training.loop import train
+    from .training.watchdog import RankWatchdog
 
     if dist.get_rank() == 0:
         _log_setup(args)
@@ -119,7 +159,17 @@ def run_rank(args: argparse.Namespace, device, gloo: bool) -> list[dict]:
     configure(args.zero_bubble)
     init_parallel(args, device)
     try:
-        return train(args, build(args, device, gloo))
+        trainee = build(args, device, gloo)
+        timeout_s = distributed_timeout(args).total_seconds()
+        watchdog = RankWatchdog(dist.get_rank(), timeout_s, publish, interval_s=min(1.0, timeout_s / 10))
+        watchdog.start()
+        try:
+            rows = train(args, trainee)
+        except BaseException as error:
+            watchdog.stop(error)
+            raise
+        watchdog.stop()
+        return rows
     finally:
         parallel_state.destroy_model_parallel()
 

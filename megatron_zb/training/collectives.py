@@ -21,7 +21,7 @@ import inspect
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,22 +62,22 @@ class SpanRecord:
     iteration: int = 0
 
 
-class CollectiveRecorder:
-    """Records the collectives this process runs between ``start()`` and ``stop()`` (or inside ``with``).
+class CollectiveWrapper:
+    """Replaces every torch.distributed collective with a wrapper while active; ``stop()`` puts them back.
 
-    One recorder may be active per process. ``iteration`` tags the records, as
-    ``PassProfiler.iteration`` tags passes. ``alias_prefixes`` names the packages whose
-    module-level aliases of collective functions are wrapped too.
+    Subclasses say what happens around a call in ``_call``; only the outermost collective of a
+    thread reaches it (``all_gather_object`` calling ``all_gather`` is one call). Wrappers of
+    different subclasses stack (a recorder inside the watchdog); two active ones of one class
+    are refused. ``marker`` names the attribute that ties a wrapper function to its owner.
     """
+
+    marker = "_collective_wrapper"
 
     def __init__(self, ops: Iterable[str] = COLLECTIVES, alias_prefixes: tuple[str, ...] = ("megatron.",)):
         self.ops = tuple(op for op in ops if hasattr(dist, op))
         self.alias_prefixes = alias_prefixes
-        self.iteration = 0
-        self.records: list[CollectiveRecord] = []
-        self.spans: list[SpanRecord] = []
         self._saved: list[tuple[object, str, object]] = []  # (module, attribute, original), to restore
-        self._local = threading.local()  # call depth per thread: only outermost calls are recorded
+        self._local = threading.local()  # call depth per thread: only outermost calls reach _call
 
     @property
     def active(self) -> bool:
@@ -85,12 +85,12 @@ class CollectiveRecorder:
 
     def start(self) -> None:
         if self.active:
-            raise RuntimeError("this CollectiveRecorder is already recording")
+            raise RuntimeError(f"this {type(self).__name__} is already active")
         originals = {op: getattr(dist, op) for op in self.ops}
-        wrapped = [op for op, fn in originals.items() if getattr(fn, "_collective_recorder", None) is not None]
+        wrapped = [op for op, fn in originals.items() if getattr(fn, self.marker, None) is not None]
         if wrapped:
             raise RuntimeError(
-                f"torch.distributed.{wrapped[0]} is already wrapped by another active CollectiveRecorder"
+                f"torch.distributed.{wrapped[0]} is already wrapped by another active {type(self).__name__}"
             )
         wrappers = {id(fn): self._wrap(op, fn) for op, fn in originals.items()}
         for module in (*MODULES, *self._alias_modules()):
@@ -101,10 +101,57 @@ class CollectiveRecorder:
                     setattr(module, attribute, wrapper)
 
     def stop(self) -> None:
-        """Put back every attribute ``start()`` replaced (a no-op when not recording)."""
+        """Put back every attribute ``start()`` replaced (a no-op when not active)."""
         for module, attribute, original in reversed(self._saved):
             setattr(module, attribute, original)
         self._saved = []
+
+    def _alias_modules(self) -> list:
+        return [
+            module
+            for name, module in list(sys.modules.items())
+            if module is not None and name.startswith(self.alias_prefixes) and module not in MODULES
+        ]
+
+    def _call(self, op: str, original, bound: Callable[[], dict], args: tuple, kwargs: dict):
+        """Run ``original(*args, **kwargs)``; ``bound()`` gives the call's arguments by name."""
+        raise NotImplementedError
+
+    def _wrap(self, op: str, original):
+        signature = inspect.signature(original)
+        local = self._local
+
+        def wrapped(*args, **kwargs):
+            if getattr(local, "depth", 0) or not self.active:  # nested, or an alias kept past stop()
+                return original(*args, **kwargs)
+            local.depth = 1
+            try:
+                return self._call(op, original, lambda: signature.bind(*args, **kwargs).arguments, args, kwargs)
+            finally:
+                local.depth = 0
+
+        wrapped.__wrapped__ = original
+        wrapped.__name__ = wrapped.__qualname__ = op
+        wrapped.__doc__ = original.__doc__
+        setattr(wrapped, self.marker, self)
+        return wrapped
+
+
+class CollectiveRecorder(CollectiveWrapper):
+    """Records the collectives this process runs between ``start()`` and ``stop()`` (or inside ``with``).
+
+    One recorder may be active per process. ``iteration`` tags the records, as
+    ``PassProfiler.iteration`` tags passes. ``alias_prefixes`` names the packages whose
+    module-level aliases of collective functions are wrapped too.
+    """
+
+    marker = "_collective_recorder"
+
+    def __init__(self, ops: Iterable[str] = COLLECTIVES, alias_prefixes: tuple[str, ...] = ("megatron.",)):
+        super().__init__(ops, alias_prefixes)
+        self.iteration = 0
+        self.records: list[CollectiveRecord] = []
+        self.spans: list[SpanRecord] = []
 
     def clear(self) -> None:
         self.records.clear()
@@ -127,40 +174,17 @@ class CollectiveRecorder:
             if self.active:
                 self.spans.append(SpanRecord(name, start, time.perf_counter(), self.iteration))
 
-    def _alias_modules(self) -> list:
-        return [
-            module
-            for name, module in list(sys.modules.items())
-            if module is not None and name.startswith(self.alias_prefixes) and module not in MODULES
-        ]
-
-    def _wrap(self, op: str, original):
-        signature = inspect.signature(original)
-        local = self._local
-
-        def recorded(*args, **kwargs):
-            if getattr(local, "depth", 0) or not self.active:  # nested, or an alias kept past stop()
-                return original(*args, **kwargs)
-            local.depth = 1
-            try:
-                start = time.perf_counter()
-                result = original(*args, **kwargs)
-                end = time.perf_counter()
-            finally:
-                local.depth = 0
-            bound = signature.bind(*args, **kwargs).arguments
-            ranks = _group_ranks(bound.get("group"))
-            self.records.append(CollectiveRecord(op, ranks, start, end, bool(bound.get("async_op")), self.iteration))
-            return result
-
-        recorded.__wrapped__ = original
-        recorded.__name__ = recorded.__qualname__ = op
-        recorded.__doc__ = original.__doc__
-        recorded._collective_recorder = self
-        return recorded
+    def _call(self, op: str, original, bound: Callable[[], dict], args: tuple, kwargs: dict):
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        end = time.perf_counter()
+        arguments = bound()
+        ranks = group_ranks(arguments.get("group"))
+        self.records.append(CollectiveRecord(op, ranks, start, end, bool(arguments.get("async_op")), self.iteration))
+        return result
 
 
-def _group_ranks(group) -> tuple[int, ...]:
+def group_ranks(group) -> tuple[int, ...]:
     if group is None:
         group = c10d._get_default_group()
     return tuple(dist.get_process_group_ranks(group))

@@ -1,0 +1,175 @@
+"""A stalled rank is named, every waiting rank reports what it waited for, and all ranks end.
+
+Each case runs the real launcher (``python -m megatron_zb.testing.stall``: ``megatron-zb train
+--cpu`` with one rank sleeping at a chosen point) with a 4 s timeout, and checks the report:
+the stalled rank is the one named, each other rank waited at most the timeout + 10 s in the
+collective or transfer it was blocked on, and the run ends with exit code 1 soon after the
+stall began. The last case interrupts a run with SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_zb.training.watchdog import describe, stalled_ranks, timeout_report
+
+TIMEOUT_S = 4.0
+MODEL = (
+    "--cpu --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 --mock-data "
+    "--micro-batch-size 2 --lr 3e-3 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7"
+)
+LINE = re.compile(r"^  rank (\d+): (.*)$", re.MULTILINE)
+
+
+def stalled_run(tmp_path: Path, flags: str, **fault) -> tuple[subprocess.CompletedProcess, dict[int, str], float]:
+    """Run with the fault; returns the result, each rank's report line, and the seconds from stall to exit."""
+    mark = tmp_path / "stalled"
+    fault = {"seconds": 120, "mark": str(mark), "timeout_s": TIMEOUT_S, **fault}
+    command = [sys.executable, "-m", "megatron_zb.testing.stall", json.dumps(fault), *MODEL.split(), *flags.split()]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    assert mark.exists(), f"the stall was never reached:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    lines = {int(rank): text for rank, text in LINE.findall(done.stderr)}
+    return done, lines, ended - float(mark.read_text())
+
+
+def waited(line: str) -> float:
+    found = re.search(r"waited (\d+\.\d) s \(timeout (\S+) s\)", line)
+    assert found, line
+    assert float(found.group(2)) == TIMEOUT_S
+    return float(found.group(1))
+
+
+def check_report(done, lines: dict[int, str], seconds: float, stalled: int, world_size: int) -> None:
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"megatron-zb train: timeout: rank {stalled} stalled: no progress while" in done.stderr, done.stderr
+    assert sorted(lines) == list(range(world_size)), done.stderr
+    assert lines[stalled].startswith("STALLED, no progress for "), lines[stalled]
+    for rank, line in lines.items():
+        if rank != stalled:
+            assert 0 < waited(line) <= TIMEOUT_S + 10, line
+    assert f"megatron-zb train: ended all {world_size} ranks" in done.stderr
+    assert seconds <= TIMEOUT_S + 10, f"{seconds:.1f} s from the stall to the end of the run"
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_stall_before_the_grad_norm_all_reduce(tmp_path: Path) -> None:
+    flags = "--pipeline-model-parallel-size 2 --global-batch-size 8 --train-iters 3"  # megatron-core's 1F1B
+    done, lines, seconds = stalled_run(tmp_path, flags, rank=1, at="grad-norm", iteration=2)
+    check_report(done, lines, seconds, stalled=1, world_size=2)
+    assert "iteration 2" in lines[1] and "stalled_norm" in lines[1], lines[1]
+    assert lines[0].startswith("waited") and "in all_reduce on the " in lines[0], lines[0]
+    assert "iteration 2 in get_grad_norm_fp32 (megatron/core/optimizer/clip_grads.py:" in lines[0], lines[0]
+
+
+def test_stall_in_save(tmp_path: Path) -> None:
+    flags = f"--pipeline-model-parallel-size 2 --global-batch-size 8 --train-iters 3 --save {tmp_path / 'ckpt'}"
+    done, lines, seconds = stalled_run(tmp_path, flags + " --save-interval 2", rank=0, at="save", iteration=2)
+    check_report(done, lines, seconds, stalled=0, world_size=2)
+    assert "iteration 2" in lines[0] and "stalled_save" in lines[0], lines[0]
+    assert "iteration 2" in lines[1] and "save_checkpoint" in lines[1], lines[1]
+
+
+def test_stall_mid_pipeline_at_pp4_names_the_stalled_rank_not_its_neighbour(tmp_path: Path) -> None:
+    flags = (
+        "--pipeline-model-parallel-size 4 --global-batch-size 16 --train-iters 3 --pipeline-schedule zb-h1 "
+        f"--zero-bubble-p2p-timeout {TIMEOUT_S}"
+    )
+    done, lines, seconds = stalled_run(tmp_path, flags, rank=2, at="pass", match="F s2 mb3", iteration=2)
+    check_report(done, lines, seconds, stalled=2, world_size=4)
+    assert "iteration 2, F s2 mb3" in lines[2], lines[2]
+    assert "in pipeline rank 3 receiving activation for F s3 mb3 from pipeline rank 2" in lines[3], lines[3]
+    assert "from pipeline rank 2" in lines[1], lines[1]  # the gradient it needs next
+
+
+def test_stall_in_a_p2p_send(tmp_path: Path) -> None:
+    flags = (
+        "--pipeline-model-parallel-size 2 --global-batch-size 8 --train-iters 3 --pipeline-schedule zb-h1 "
+        f"--zero-bubble-p2p-timeout {TIMEOUT_S}"
+    )
+    fault = {"rank": 0, "at": "send", "match": "activation of F s0 mb2", "iteration": 2}
+    done, lines, seconds = stalled_run(tmp_path, flags, **fault)
+    check_report(done, lines, seconds, stalled=0, world_size=2)
+    assert "stalled_post" in lines[0], lines[0]
+    assert "in pipeline rank 1 receiving activation for F s1 mb2 from pipeline rank 0" in lines[1], lines[1]
+    assert "P2PTimeoutError" in lines[1], lines[1]
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigint_ends_every_rank(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "megatron_zb", "train", *MODEL.split(),
+        "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "1000",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in launcher.stdout:  # wait until training runs
+            if "iteration        2/" in line:
+                break
+        ranks = [pid for pid in children(launcher.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(timeout=30)
+        seconds = time.monotonic() - sent
+        stderr = launcher.stderr.read()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 130, stderr
+    assert "megatron-zb train: SIGINT received: ended all 2 ranks" in stderr, stderr
+    assert seconds < 10
+    assert len(ranks) == 2 and not [pid for pid in ranks if alive(pid)]
+
+
+# -- the report alone, from records as ranks publish them ------------------------------------------
+
+
+def record(rank: int, progress: float, wait: dict | None = None, **extra) -> dict:
+    base = {"rank": rank, "time": 100.0, "iteration": 7, "pass": None, "where": "", "progress_time": progress}
+    return {**base, "wait": wait, "failed": None, **extra}
+
+
+def test_report_names_the_rank_without_progress_not_the_first_to_time_out() -> None:
+    wait = {"what": "all_reduce on the pipeline group (ranks 0, 1, 2)", "since": 94.0, "timeout_s": 5.0, "peers": []}
+    records = {
+        0: record(0, 94.0, wait),
+        1: record(1, 93.0, **{"pass": "F s1 mb3"}),  # computing since 93: stalled
+        2: record(2, 94.5, {**wait, "since": 94.5}),
+    }
+    assert stalled_ranks(records, 3, now=100.0) == [1]
+    report = timeout_report(records, 4, now=100.0)
+    assert report.splitlines() == [
+        "megatron-zb train: timeout: ranks 1, 3 stalled: no progress while 2 ranks waited for them",
+        "  rank 0: waited 6.0 s (timeout 5 s) in all_reduce on the pipeline group (ranks 0, 1, 2), iteration 7",
+        "  rank 1: STALLED, no progress for 7.0 s, iteration 7, F s1 mb3",
+        "  rank 2: waited 5.5 s (timeout 5 s) in all_reduce on the pipeline group (ranks 0, 1, 2), iteration 7",
+        "  rank 3: STALLED, published no status (never reached training)",
+    ]
+    busy = record(1, 99.9)
+    assert describe(busy, 100.0) == "rank 1: busy, iteration 7"
+    assert stalled_ranks({**records, 1: busy}, 3, now=100.0) == []
