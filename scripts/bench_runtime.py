@@ -6,6 +6,10 @@ megatron-core's 1F1B, next to the simulator's prediction from costs profiled in 
 run (T_F, T_B, T_W per stage from a zb-h1 run, T_comm from a ping-pong). The automatic
 schedules are planned with those costs, as re-planning does in training.
 
+A second table splits each rank's time (``megatron_zb.training.idle``): compute (with the W
+split's cost beyond 1F1B's fused backward), waits the plan had, waits it did not, send/recv
+bookkeeping and Python between passes, each next to the simulated timeline's prediction.
+
     python scripts/bench_runtime.py --output docs/bench_runtime.md
 
 The workers keep freed memory (``megatron_zb.testing.bench``), for every schedule alike.
@@ -63,19 +67,59 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
     shape = (toy.seq, toy.micro_batch, toy.hidden)
     costs = profiler.cost_model(profiled.schedule_for(pp, m), parallel_state.get_pipeline_model_parallel_group(), shape)
 
-    runs = {}
+    runs, profilers, plans = {}, {}, {}
     for name in schedules:
-        runner = ForwardBackward("1f1b" if name == "megatron-1f1b" else name, costs=costs)
-        function = forward_backward_pipelining_without_interleaving if name == "megatron-1f1b" else runner
+        ours = name != "megatron-1f1b"
+        profilers[name] = PassProfiler() if ours else None
+        runner = ForwardBackward("1f1b" if not ours else name, costs=costs, profiler=profilers[name])
+        function = runner if ours else forward_backward_pipelining_without_interleaving
         runs[name] = (function, chunks_for(runner))
+        plans[name] = runner.schedule_for(pp, m)
     for _ in range(warmup):
         for name in schedules:
             iteration(*runs[name])
     times = {name: [] for name in schedules}
-    for _ in range(rounds):
+    for index in range(rounds):
         for name in schedules:
+            profiler = profilers[name]
+            if profiler is not None:
+                profiler.iteration = index
+                profiler.start()
             times[name].append(iteration(*runs[name]))
-    return {"times": times, "costs": costs}
+            if profiler is not None:
+                profiler.stop()
+    return {"times": times, "costs": costs, "idle": idle_breakdowns(profilers, plans, costs, rank, times)}
+
+
+def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict) -> dict:
+    """This rank's mean idle breakdown per profiled schedule, measured and predicted (seconds)."""
+    import torch.distributed as dist
+
+    from megatron_zb.runtime.profiler import add_sums, stage_sums
+    from megatron_zb.schedule import simulate
+    from megatron_zb.training import idle
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, stage_sums(profilers["1f1b"].records, plans["1f1b"]))
+    sums: dict = {}
+    for rank_sums in gathered:
+        add_sums(sums, rank_sums)
+    reference = idle.fused_backward(sums, plans["1f1b"])
+    found = {}
+    for name, profiler in profilers.items():
+        if profiler is None:
+            continue
+        schedule = plans[name]
+        timeline = simulate(schedule, costs)
+        gaps = idle.planned_gaps(timeline, rank)
+        measured = [idle.measured(profiler.records, call, gaps, schedule, reference) for call in profiler.calls]
+        outside = statistics.fmean(t - b.span for t, b in zip(times[name], measured, strict=True))
+        found[name] = {
+            "measured": idle.mean(measured),
+            "predicted": idle.predicted(timeline, rank),
+            "outside": outside,
+        }
+    return found
 
 
 def predictions(costs, pp: int, m: int, schedules: tuple[str, ...]) -> dict[str, tuple[float, float]]:
@@ -89,7 +133,8 @@ def predictions(costs, pp: int, m: int, schedules: tuple[str, ...]) -> dict[str,
     return found
 
 
-def table(result: dict, pp: int, m: int, model: dict, rounds: int, schedules: tuple[str, ...]) -> str:
+def table(results: list[dict], pp: int, m: int, model: dict, rounds: int, schedules: tuple[str, ...]) -> str:
+    result = results[0]
     times = {name: statistics.median(values) for name, values in result["times"].items()}
     costs = result["costs"]
     predicted = predictions(costs, pp, m, schedules)
@@ -101,16 +146,53 @@ def table(result: dict, pp: int, m: int, model: dict, rounds: int, schedules: tu
         f"Profiled costs (per stage, ms): T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, T_W {_ms(costs.t_w)}, "
         f"T_comm {costs.t_comm * 1e3:.2f}.",
         "",
-        "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio | predicted bubble |",
-        "|---|---|---|---|---|",
+        "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio | predicted bubble | gain kept |",
+        "|---|---|---|---|---|---|",
     ]
     for name in schedules:
         makespan, bubble = predicted[name]
-        lines.append(
-            f"| {name} | {times[name] * 1e3:.1f} | {times[name] / base:.3f} | {makespan / base_predicted:.3f} | "
-            f"{bubble:.1%} |"
-        )
+        ratio, planned = times[name] / base, makespan / base_predicted
+        kept = f"{(1 - ratio) / (1 - planned):.0%}" if planned < 0.999 else "-"
+        lines.append(f"| {name} | {times[name] * 1e3:.1f} | {ratio:.3f} | {planned:.3f} | {bubble:.1%} | {kept} |")
+    lines += ["", *breakdown_table(results, schedules)]
     return "\n".join(lines) + "\n"
+
+
+BREAKDOWN_COLUMNS = (
+    ("span", "executor span"),
+    ("compute", "compute"),
+    ("w_split", "of which W split"),
+    ("planned_wait", "planned wait"),
+    ("unplanned_wait", "unplanned wait"),
+    ("send_recv", "send/recv"),
+    ("python", "Python between passes"),
+)
+
+
+def breakdown_table(results: list[dict], schedules: tuple[str, ...]) -> list[str]:
+    """Per schedule and rank, ms per iteration: measured (predicted) for each part of the executor's span."""
+    header = " | ".join(title for _, title in BREAKDOWN_COLUMNS)
+    lines = [
+        "Where each rank's time goes, ms per iteration (mean of the timed iterations), measured (predicted). "
+        "Idle time = planned wait + unplanned wait + send/recv + Python; the W split (B + W beyond 1F1B's "
+        "fused BW of the same layers) is part of compute; outside: the rest of the iteration (the barrier "
+        "that ends it).",
+        "",
+        f"| schedule | rank | {header} | outside |",
+        "|---|---|" + "---|" * (len(BREAKDOWN_COLUMNS) + 1),
+    ]
+    for name in schedules:
+        for rank, result in enumerate(results):
+            if name not in result["idle"]:
+                continue
+            found = result["idle"][name]
+            measured, planned = found["measured"], found["predicted"]
+            cells = []
+            for field, _ in BREAKDOWN_COLUMNS:
+                value, plan = getattr(measured, field), getattr(planned, field)
+                cells.append("-" if value is None else f"{value * 1e3:.1f} ({plan * 1e3:.1f})")
+            lines.append(f"| {name} | {rank} | {' | '.join(cells)} | {found['outside'] * 1e3:.1f} |")
+    return lines
 
 
 def _ms(values) -> str:
@@ -144,7 +226,7 @@ def main() -> None:
         warmup=args.warmup,
         model=model,
     )
-    text = table(results[0], pp, args.microbatches, model, args.rounds, SCHEDULES)
+    text = table(results, pp, args.microbatches, model, args.rounds, SCHEDULES)
     report(text, "Runtime benchmark", "bench_runtime.py", args.output)
 
 

@@ -10,6 +10,7 @@ BW (both at once).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 from ..schedule import Pass, PassKind, Schedule, ScheduleError
 from ..schedule.comm import CommOp, CommStep, Message, program
 from . import steps
+from .activity import activity
 from .p2p import PipeComm, Transfer
 from .te_wgrad import BackwardDwJob
 from .wgrad import WeightGradStore
@@ -151,6 +153,7 @@ class Executor:
     def run(self) -> None:
         plan = self.plan
         needed, index = 0, 0
+        started = time.perf_counter()
         try:
             while index < len(plan.passes):
                 if self.check is not None and index == self.check.passes:
@@ -160,6 +163,7 @@ class Executor:
                         needed, index = 0, 0
                         continue
                 p = plan.passes[index]
+                activity.pass_started(p)  # for the watchdog: where this rank is
                 needed += len(plan.receives[index])
                 self._post(needed, ())
                 if self.profiler is not None:
@@ -182,6 +186,8 @@ class Executor:
         except BaseException:
             self.comm.abort()
             raise
+        if self.profiler is not None:
+            self.profiler.call(started, time.perf_counter(), self.comm.posted_s)
         self._check_empty()
 
     def _waited(self) -> float:

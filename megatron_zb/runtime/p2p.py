@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .activity import activity
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -55,12 +57,22 @@ class PipeComm:
         self._recvs: dict[object, tuple[Transfer, dist.Work, torch.Tensor]] = {}
         self._sender = _SendWaiter(self.rank, timeout_s)
         self.waited_s = 0.0  # time spent waiting for receives (the profiler subtracts it from passes)
+        self.posted_s = 0.0  # time spent posting, and in finish() waiting for the last sends (send/recv overhead)
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer)
 
     def post(self, recvs: list[tuple[object, Transfer, torch.Tensor]], sends: list[tuple[Transfer, torch.Tensor]]):
         """Post receives (into the given buffers, collected later by key) and sends, in this order."""
+        if not recvs and not sends:
+            return
+        start = time.perf_counter()
+        try:
+            self._post(recvs, sends)
+        finally:
+            self.posted_s += time.perf_counter() - start
+
+    def _post(self, recvs: list, sends: list) -> None:
         ops = [dist.P2POp(dist.irecv, buffer, self._global(t.peer), self.group, t.tag) for _, t, buffer in recvs]
         ops += [dist.P2POp(dist.isend, tensor, self._global(t.peer), self.group, t.tag) for t, tensor in sends]
         if not ops:
@@ -82,7 +94,7 @@ class PipeComm:
         """The received tensor for ``key``, waiting at most the timeout."""
         transfer, work, buffer = self._recvs.pop(key)
         start = time.perf_counter()
-        wait_work(work, self.timeout_s, transfer.describe(self.rank))
+        self._wait_for(work, transfer)
         self.waited_s += time.perf_counter() - start
         self._sender.raise_failure()
         return buffer
@@ -96,15 +108,23 @@ class PipeComm:
         """
         posted, self._recvs = self._recvs, {}
         for transfer, work, _ in posted.values():
-            wait_work(work, self.timeout_s, transfer.describe(self.rank))
+            self._wait_for(work, transfer)
         for transfer, buffer in stale:
             work = dist.irecv(buffer, self._global(transfer.peer), self.group, transfer.tag)
-            wait_work(work, self.timeout_s, transfer.describe(self.rank))
+            self._wait_for(work, transfer)
         self._sender.raise_failure()
+
+    def _wait_for(self, work: dist.Work, transfer: Transfer) -> None:
+        description = transfer.describe(self.rank)
+        with activity.waiting(description, self.timeout_s, (self._global(transfer.peer),)):
+            wait_work(work, self.timeout_s, description)
 
     def finish(self) -> None:
         """Wait for every send of the iteration; raise if any receive was never collected."""
-        self._sender.close()
+        start = time.perf_counter()
+        with activity.waiting(f"pipeline rank {self.rank} finishing the iteration's sends", self.timeout_s):
+            self._sender.close()
+        self.posted_s += time.perf_counter() - start
         if self._recvs:
             pending = ", ".join(t.what for t, _, _ in self._recvs.values())
             raise P2PError(f"pipeline rank {self.rank}: receives posted but never used: {pending}")

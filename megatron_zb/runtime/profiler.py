@@ -10,6 +10,7 @@ tensor between neighbouring ranks.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,21 @@ class PassRecord:
     chunk: int
     start: float
     end: float
+    waited: float = 0.0  # seconds blocked on this pass's receives (not in start..end)
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One executor run (one rank's passes of one iteration): its span and its P2P bookkeeping.
+
+    ``posted`` is the time spent posting sends and receives and waiting for the last sends at
+    the end; with the passes' ``waited`` and durations it splits the span (``training.idle``).
+    """
+
+    iteration: int
+    start: float
+    end: float
+    posted: float
 
 
 class PassProfiler:
@@ -35,6 +51,7 @@ class PassProfiler:
         self.active = False
         self.iteration = 0
         self.records: list[PassRecord] = []
+        self.calls: deque[CallRecord] = deque(maxlen=256)  # the latest executor runs (bounded: kept across clears)
 
     def start(self) -> None:
         self.active = True
@@ -57,7 +74,11 @@ class PassProfiler:
         fn(arg)
         end = self.now()
         idle = (waited() - before) if waited is not None else 0.0
-        self.records.append(PassRecord(self.iteration, p, chunk, start + idle, end))
+        self.records.append(PassRecord(self.iteration, p, chunk, start + idle, end, idle))
+
+    def call(self, start: float, end: float, posted: float) -> None:
+        """Record one executor run (see ``CallRecord``)."""
+        self.calls.append(CallRecord(self.iteration, start, end, posted))
 
     def local_means(self, schedule: Schedule) -> dict[tuple[str, int], tuple[float, int]]:
         """(kind, full stage) -> (sum of per-stage-scaled seconds, count) on this rank."""
@@ -90,6 +111,10 @@ class NestedProfilers:
 
     def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
         self.outer.run(p, chunk, lambda x: self.inner.run(p, chunk, fn, x, waited), arg, waited)
+
+    def call(self, start: float, end: float, posted: float) -> None:
+        self.outer.call(start, end, posted)
+        self.inner.call(start, end, posted)
 
 
 def stage_sums(records: list[PassRecord], schedule: Schedule) -> dict[tuple[str, int], tuple[float, int]]:

@@ -2,7 +2,8 @@
 
 ``python -m megatron_zb.training.summary base.jsonl other.jsonl ...``: the first file is the
 baseline (e.g. the 1F1B run); each other run is shown with its largest per-iteration loss
-difference from it and its iteration time relative to it.
+difference from it and its iteration time relative to it. An iteration a file holds twice
+(a run resumed from an older checkpoint logs it again) counts once, with its last line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """One row per iteration, in iteration order: where a resumed run logged an iteration again, its last row."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return sorted({row["iteration"]: row for row in rows}.values(), key=lambda row: row["iteration"])
 
 
 def summarize(paths: Sequence[str | Path]) -> str:
@@ -42,7 +45,32 @@ def summarize(paths: Sequence[str | Path]) -> str:
         "bubble: measured idle share of each pipeline rank's forward-backward time (mean over ranks and iterations); "
         "time/iter: median over the iterations after the first"
     )
+    lines += _idle_lines(runs)
     return "\n".join(lines)
+
+
+_IDLE_PARTS = ("span", "compute", "planned_wait", "unplanned_wait", "send_recv", "python")
+
+
+def _idle_lines(runs: list[list[dict]]) -> list[str]:
+    """The logging rank's idle breakdown per run (``training.idle``), measured (predicted), ms per iteration."""
+    rows_with = [(rows[0]["schedule"], [row["idle"] for row in rows[1:] if row.get("idle")]) for rows in runs]
+    rows_with = [(name, found) for name, found in rows_with if found]
+    if not rows_with:
+        return []
+    lines = ["", f"{'schedule':18s} " + " ".join(f"{part:>17s}" for part in _IDLE_PARTS)]
+    for name, found in rows_with:
+        cells = []
+        for part in _IDLE_PARTS:
+            measured = statistics.fmean(item["measured"][part] for item in found)
+            planned = statistics.fmean(item["predicted"][part] for item in found)
+            cells.append(f"{1000 * measured:8.1f} ({1000 * planned:6.1f})")
+        lines.append(f"{name:18s} " + " ".join(cells))
+    lines.append(
+        "idle breakdown of the logging rank's executor run, ms per iteration after the first: measured (the plan "
+        "scaled to the measured compute); idle = planned wait + unplanned wait + send/recv + python"
+    )
+    return lines
 
 
 def _median_time(rows: list[dict]) -> float:
