@@ -73,6 +73,8 @@ def enable() -> None:
         torch.cuda.current_device = lambda: _CPU
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.empty_cache = lambda: None
+        # megatron-core 0.19's DDP start_grad_sync waits on the current stream's events: CPU's no-op stream.
+        torch.cuda.current_stream = torch.cpu.current_stream
         torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
         _CudaToCpu().__enter__()
         _enabled = True

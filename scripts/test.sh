@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Quickstart, tests: install the package with its test tools, lint, run the suite.
+# MZB_MEGATRON_CORE=0.19.2 runs it on that megatron-core instead, in its own virtual environment on
+# Python 3.12 (.venv-mcore-0.19.2, about 5 GB; see scripts/_venv.sh). The exit status is pytest's.
 source "$(dirname "$0")/_venv.sh"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q "$@"
+EXTRAS="test"
+# megatron-core >= 0.17 ships Megatron-LM's training loop: bring its pure-Python dependencies too.
+[ "$VENV" = .venv ] || EXTRAS="test,megatron-lm"
+"$VENV_PY" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+exec "$VENV_PY" -m pytest -q "$@"

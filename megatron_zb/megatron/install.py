@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from ..compat import is_multi_module_pg_collection, require_supported_megatron_core, signature_of
 from .args import ZeroBubbleSettings, schedule_settings
 from .training_hooks import hook_training_loop
 
@@ -30,6 +31,7 @@ def install() -> None:
     ``--enable-optimizer-post-validation`` its optimizer is post-validated.
     """
     global _original
+    require_supported_megatron_core()
     from megatron.core.pipeline_parallel import schedules
 
     if _original is None:
@@ -73,12 +75,19 @@ def megatron_core_forward_backward_func() -> Callable:
 def get_forward_backward_func(*args, **kwargs):
     """megatron-zb's runner when zero bubble is enabled, else megatron-core's choice.
 
-    Extra arguments of newer megatron-core versions (``schedule_pg_collection=``, ...) are
-    passed through to megatron-core's function.
+    Extra arguments of newer megatron-core versions (0.19's ``schedule_pg_collection=``, ...) are
+    passed through to megatron-core's function. Ours takes its groups from the ``pg_collection``
+    given to the runner; a multi-module collection (0.19's bridge schedule) is refused.
     """
     settings = active_settings()
     if settings is None:
         return megatron_core_forward_backward_func()(*args, **kwargs)
+    collection = signature_of(megatron_core_forward_backward_func()).bind(*args, **kwargs).arguments
+    if is_multi_module_pg_collection(collection.get("schedule_pg_collection")):
+        raise NotImplementedError(
+            "megatron-zb schedules run one model per pipeline (one process-group grid); a multi-module "
+            "schedule_pg_collection needs megatron-core's bridge schedule: turn zero bubble off for this model"
+        )
     return runner_for(settings)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat import grads_for_grad_norm, separate_grad_norm_params
 from ..runtime.forward_backward import CONFIG_ATTRIBUTE
 from ..runtime.p2p import DEFAULT_TIMEOUT_S
 from .chain import StatsChain
@@ -74,6 +75,12 @@ class PostValidation:
         if mode not in MODES:
             raise ValueError(f"post-validation mode {mode!r}: choose one of {', '.join(MODES)}")
         check_supported(optimizer, mode)
+        separate = sum(separate_grad_norm_params(sub) for sub in optimizer.chained_optimizers)
+        if separate:
+            raise ValueError(
+                f"post-validation reduces one grad norm; {separate} parameters (multi-token prediction) have a norm "
+                "group of their own in this megatron-core: turn off --enable-optimizer-post-validation or MTP"
+            )
         self.optimizer = optimizer
         self.subs = [sub for sub in optimizer.chained_optimizers]
         self.mode = mode
@@ -111,7 +118,7 @@ class PostValidation:
         self.settle()
         self.steps += 1
         found = [flag for flag in (prepare_local(sub, self.device) for sub in self.subs) if flag is not None]
-        grads = [grad for sub in self.subs for grad in sub.get_main_grads_for_grad_norm()]
+        grads = [grad for sub in self.subs for grad in grads_for_grad_norm(sub)]
         mine = torch.zeros(self.layout.size, dtype=torch.float, device=self.device)
         fill_stage_slots(mine, self.layout, found, local_norm_sq(grads, self.device))
         received = self.chain.receive_partial(self.steps)

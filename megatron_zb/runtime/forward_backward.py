@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..compat import encoder_and_decoder_model_type, require_supported_megatron_core
 from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec, build
 from ..schedule.ir import parse_orders
 from ..schedule.speculation import Speculation, speculation
@@ -26,6 +27,8 @@ from .replan import Replanner, ReplanReport, ReplanWindow
 from .replay import Replay
 from .te_wgrad import delayed_wgrad_layers
 from .wgrad import WeightGradStore
+
+require_supported_megatron_core()  # before anything here touches megatron-core: a clear refusal, not an AttributeError
 
 # A post-validated optimizer (megatron_zb.optimizer.PostValidation) sets itself on the model config
 # under this name; the runtime then checks its pending step where ``schedule.speculation`` says.
@@ -276,11 +279,11 @@ def _model_config(model: torch.nn.Module):
 
 def _refuse_unsupported(config, model: torch.nn.Module | None = None) -> None:
     """Settings this runtime does not run yet, refused before the first pass."""
-    if model is not None:
-        from megatron.core.enums import ModelType
+    encoder_and_decoder = encoder_and_decoder_model_type()  # None on 0.16 (a property) and from 0.17 (gone)
+    if model is not None and encoder_and_decoder is not None:
         from megatron.core.utils import get_model_type
 
-        if get_model_type(model) == ModelType.encoder_and_decoder:
+        if get_model_type(model) == encoder_and_decoder:
             raise ValueError("megatron-zb schedules run decoder-only models (one boundary tensor per stage)")
     refused = {
         "variable_seq_lengths": "variable sequence lengths between microbatches",

@@ -18,64 +18,63 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..compat import signature_of
 from .wgrad import accumulate, active_store
 
 _lock = threading.Lock()
 _original = None
+_signature = None  # the original's, to bind the arguments of whichever version is loaded
 
 
 def install() -> None:
     """Patch megatron-core's linear function (idempotent)."""
-    global _original
+    global _original, _signature
     from megatron.core.tensor_parallel import layers
 
     with _lock:
         if _original is None:
             _original = layers.linear_with_grad_accumulation_and_async_allreduce
+            _signature = signature_of(_original)
             layers.linear_with_grad_accumulation_and_async_allreduce = splittable_linear
 
 
 def uninstall() -> None:
-    global _original
+    global _original, _signature
     from megatron.core.tensor_parallel import layers
 
     with _lock:
         if _original is not None:
             layers.linear_with_grad_accumulation_and_async_allreduce = _original
-            _original = None
+            _original = _signature = None
 
 
-def splittable_linear(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gradient_accumulation_fusion: bool,
-    allreduce_dgrad: bool,
-    sequence_parallel: bool,
-    grad_output_buffer: list | None = None,
-    wgrad_deferral_limit: int | None = 0,
-    async_grad_allreduce: bool | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Drop-in for megatron-core's function: splittable inside our executor, the original outside."""
-    if active_store() is None or grad_output_buffer is not None:
-        # Outside our passes, or megatron's own deferred embedding wgrad: leave it to megatron.
-        return _original(
-            input,
-            weight,
-            bias,
-            gradient_accumulation_fusion,
-            allreduce_dgrad,
-            sequence_parallel,
-            grad_output_buffer,
-            wgrad_deferral_limit,
-            async_grad_allreduce,
-            tp_group,
+def splittable_linear(*args, **kwargs) -> torch.Tensor:
+    """Drop-in for megatron-core's function: splittable inside our executor, the original outside.
+
+    Takes whatever the patched version's signature takes (0.17 dropped ``async_grad_allreduce``,
+    0.19 added ``gtp_remat_size``): arguments are bound against the original, and the call is
+    passed on untouched wherever megatron-core's own function runs.
+    """
+    if active_store() is None:
+        return _original(*args, **kwargs)  # outside our passes: leave it to megatron
+    bound = _signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    if call.get("grad_output_buffer") is not None:
+        return _original(*args, **kwargs)  # megatron's own deferred embedding wgrad
+    if (call.get("gtp_remat_size") or 1) > 1:
+        raise NotImplementedError(
+            f"megatron-zb schedules do not split linears with GTP-sharded weights (gtp_remat_size="
+            f"{call['gtp_remat_size']}); run without the gtp_remat process group"
         )
     from megatron.core.parallel_state import get_tensor_model_parallel_group
 
+    input, weight, bias = call["input"], call["weight"], call["bias"]
+    tp_group = call.get("tp_group")
     tp_group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
-    options = _Options(weight, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group)
+    options = _Options(
+        weight, call["gradient_accumulation_fusion"], call["allreduce_dgrad"], call["sequence_parallel"], tp_group
+    )
     options.store = active_store()
     anchor = _anchor(input, bias)
     return _SplitLinear.apply(input, weight.detach(), bias, anchor, options)

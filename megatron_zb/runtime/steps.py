@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.variable import Variable
 
+from ..compat import attention_variant_loss_scale_func
+
 
 @dataclass
 class ForwardContext:
@@ -91,21 +93,46 @@ def _loss(ctx: ForwardContext, output, loss_func):
 
 
 def _scale_auxiliary_losses(config, loss: torch.Tensor, cp_size: int, m: int) -> None:
-    """MoE auxiliary and MTP losses backpropagate through autoscalers that need the loss scale."""
+    """MoE auxiliary, MTP and attention-variant losses backpropagate through autoscalers that need the loss scale.
+
+    As megatron-core's ``forward_step_calc_loss``: 0.19 takes the MoE and MTP scales from
+    ``moe_grad_scale_func`` / ``mtp_grad_scale_func`` when set (else ``grad_scale_func``) and also
+    scales an attention variant's auxiliary loss (DSA's indexer loss).
+    """
     moe = getattr(config, "num_moe_experts", None) is not None
     mtp = getattr(config, "mtp_num_layers", None) is not None
-    if not (moe or mtp):
+    variant = attention_variant_loss_scale_func(config)
+    if not (moe or mtp or variant):
         return
-    one = torch.ones(1, device=loss.device)
-    scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    per_token, device = config.calculate_per_token_loss, loss.device
     if moe:
         from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale * cp_size / m)
+        scale = _loss_scale(config, device, "moe_grad_scale_func")
+        MoEAuxLossAutoScaler.set_loss_scale(scale if per_token else scale * cp_size / m)
     if mtp:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-        MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / m)
+        scale = _loss_scale(config, device, "mtp_grad_scale_func")
+        MTPLossAutoScaler.set_loss_scale(scale if per_token else scale / m)
+    if variant is not None:
+        scale = _loss_scale(config, device)
+        variant(scale if per_token else scale * cp_size / m)
+
+
+def _loss_scale(config, device: torch.device, hook: str | None = None) -> torch.Tensor:
+    """The scale of an auxiliary loss: ``config.<hook>()`` when set (0.19), else ``grad_scale_func`` of one."""
+    scale_func = getattr(config, hook, None) if hook is not None else None
+    if scale_func is not None:
+        scale, name = scale_func(), hook
+    elif config.grad_scale_func is not None:
+        scale, name = config.grad_scale_func(torch.ones(1, device=device)), "grad_scale_func"
+    else:
+        return torch.ones(1, device=device)
+    scale = torch.as_tensor(scale, device=device)
+    if scale.numel() != 1:
+        raise ValueError(f"config.{name} must return a scalar or a size-1 tensor; it returned {scale.numel()} elements")
+    return scale
 
 
 def _set_current_microbatch(model: torch.nn.Module, microbatch: int) -> None:

@@ -52,6 +52,10 @@ try:
     found["extra_kwarg"] = "accepted"
 except TypeError as error:
     found["extra_kwarg"] = "passed to megatron-core: " + str(error)
+from megatron_zb import compat
+found["takes_schedule_pg_collection"] = compat.accepts(
+    install.megatron_core_forward_backward_func(), "schedule_pg_collection"
+)
 # Enabled through Megatron-LM's parsed arguments (what the patched pretrain_gpt.py gives).
 global_vars = types.ModuleType("megatron.training.global_vars")
 args = megatron_zb.add_args(argparse.ArgumentParser()).parse_args(["--zero-bubble-v-schedule"])
@@ -87,6 +91,7 @@ def test_every_bound_copy_is_ours_whatever_the_import_order(order: str) -> None:
         "disabled_pp4": "forward_backward_pipelining_without_interleaving",
         "disabled_pp4_vp2": "forward_backward_pipelining_with_interleaving",
         "extra_kwarg": found["extra_kwarg"],
+        "takes_schedule_pg_collection": found["takes_schedule_pg_collection"],
         "enabled": ["ForwardBackward", "zb-v", True],
         "same_runner": True,
         "replan_window": [100, 110],
@@ -94,10 +99,12 @@ def test_every_bound_copy_is_ours_whatever_the_import_order(order: str) -> None:
         "configured_off": "forward_backward_pipelining_without_interleaving",
         "uninstalled": True,
     }
-    # megatron-core 0.16 has no schedule_pg_collection: the argument reaches it, we do not drop it.
-    assert (
-        found["extra_kwarg"].startswith("passed to megatron-core") and "schedule_pg_collection" in found["extra_kwarg"]
-    )
+    # 0.19 takes schedule_pg_collection; 0.16 has none: the argument reaches it either way, we do not drop it.
+    if found["takes_schedule_pg_collection"]:
+        assert found["extra_kwarg"] == "accepted"
+    else:
+        assert found["extra_kwarg"].startswith("passed to megatron-core")
+        assert "schedule_pg_collection" in found["extra_kwarg"]
 
 
 def test_importing_megatron_zb_needs_no_torch() -> None:

@@ -189,6 +189,7 @@ def megatron_optimizer_steps(path: str) -> dict:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_zb.compat import optimizer_checks_grad_norm_groups
     from megatron_zb.runtime import ForwardBackward
     from megatron_zb.runtime.profiler import PassProfiler
     from megatron_zb.testing.parallel import init_parallel
@@ -231,7 +232,13 @@ def megatron_optimizer_steps(path: str) -> dict:
             spans_per_rank=gathered.spans,
             stage_of_rank=gathered.stage_of_rank,
         )
-    return {"passes": profiler.records, "collectives": recorder.records, "spans": recorder.spans, "trace": gathered}
+    return {
+        "passes": profiler.records,
+        "collectives": recorder.records,
+        "spans": recorder.spans,
+        "trace": gathered,
+        "checks_norm_groups": optimizer_checks_grad_norm_groups(),
+    }
 
 
 def test_megatron_optimizer_syncs_stages_between_iterations(pool, tmp_path):
@@ -241,12 +248,16 @@ def test_megatron_optimizer_syncs_stages_between_iterations(pool, tmp_path):
     assert results[1]["trace"] is None
     stages = results[0]["trace"].stage_of_rank
     assert stages == {0: 0, 1: 1}
+    # The grad-norm all-reduce; megatron-core 0.19 adds, on its first clipped step only, a MAX all-reduce
+    # of whether any rank has parameters in a separate grad-norm group (has_grad_norm_group, cached).
+    optimizer_reduces = ["all_reduce"] * (2 if results[0]["checks_norm_groups"] else 1)
     for rank, result in enumerate(results):
         between = collectives_between_iterations(result["passes"], result["collectives"], 1)
         crossing = [c for c in between if cross_stage(c, stages)]
-        assert [c.op for c in crossing] == ["all_reduce"], f"rank {rank}: {between}"
+        assert [c.op for c in crossing] == optimizer_reduces, f"rank {rank}: {between}"
         (step,) = [s for s in result["spans"] if s.iteration == 1]
-        assert step.start <= crossing[0].start and crossing[0].end <= step.end, "not the optimizer's all-reduce"
+        for reduce in crossing:
+            assert step.start <= reduce.start and reduce.end <= step.end, "not the optimizer's all-reduce"
 
     trace = json.loads(path.read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -259,5 +270,5 @@ def test_megatron_optimizer_syncs_stages_between_iterations(pool, tmp_path):
         crossing = [
             e for e in track if e["cat"] == "collective" and e["args"]["cross_stage"] and last_pass < e["ts"] < first_f
         ]
-        assert [e["name"] for e in crossing] == ["all_reduce"], track
-        assert crossing[0]["args"]["ranks"] == [0, 1] and crossing[0]["args"]["iteration"] == 1
+        assert [e["name"] for e in crossing] == optimizer_reduces, track
+        assert all(e["args"]["ranks"] == [0, 1] and e["args"]["iteration"] == 1 for e in crossing)
