@@ -1,64 +1,172 @@
-"""Megatron-LM's own ``pretrain()`` with the zero-bubble flags: ``python -m megatron_zb.pretrain_gpt --megatron-lm``.
+"""Megatron-LM's own ``pretrain()`` with the zero-bubble flags: ``megatron-zb train --megatron-lm [PATH]``.
 
-Needs a Megatron-LM checkout importable (its root on PYTHONPATH, or MEGATRON_LM_PATH): its
+Needs a Megatron-LM checkout (PATH, MEGATRON_LM_PATH, or its root on PYTHONPATH; with
+MEGATRON_LM_USE_INSTALLED=1 the installed megatron-core >= 0.17 wheel's own ``megatron/training``
+and megatron-core are used, the checkout only for its scripts): its
 ``pretrain_gpt.py`` supplies the datasets, model provider and forward step, its ``pretrain()``
 the loop, logging and checkpoints; we add our flags, register the schedule behind
-``get_forward_backward_func()`` and check the flags before any process group starts.
-Megatron-LM's model provider and ``get_batch`` place the embedding on the first and the
-loss on the last pipeline rank, so V-shape schedules are refused on this path: they run
-with megatron-zb's own loop (``megatron-zb train``).
+``get_forward_backward_func()`` and check the flags before any process group starts. Both
+``pretrain()`` signatures are driven: up to Megatron-LM 0.17 it parses the flags itself
+(``args_defaults=``, ``extra_args_provider=``); from 0.18 it takes a config container first,
+built by the script from ``parse_and_validate_args()``, as pretrain_gpt.py's ``__main__`` does.
+
+With ``--cpu`` this command spawns the gloo processes itself (``megatron_zb.megatron_lm_cpu``
+shims what Megatron-LM assumes of a GPU). Megatron-LM's model provider and ``get_batch`` place
+the embedding on the first and the loss on the last pipeline rank, so V-shape schedules are
+refused on this path: they run with megatron-zb's own loop (``megatron-zb train``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import functools
 import importlib
+import inspect
 import os
 import sys
+import time
 from collections.abc import Sequence
 from functools import partial
 
 from .megatron.args import add_args, schedule_settings
+from .training.checks import check_megatron_lm_launch, writable_file
+
+_CHECKOUT_MODULES = ("megatron", "pretrain_gpt", "gpt_builders", "model_provider")
+# Flags a CPU run needs, added when the command line does not give them (flag, value or None).
+CPU_DEFAULTS = (
+    ("--distributed-backend", "gloo"),
+    ("--transformer-impl", "local"),
+    ("--no-gradient-accumulation-fusion", None),
+    ("--no-masked-softmax-fusion", None),
+    ("--no-bias-gelu-fusion", None),
+    ("--no-bias-dropout-fusion", None),
+    ("--no-rope-fusion", None),
+    ("--no-persist-layer-norm", None),
+    # torch_dist (Megatron-LM's default) writes from helper processes that need psutil and, without it,
+    # leave the save hanging (core_v0.16.1, only common.pt written); the plain torch format is what the
+    # CPU runs were measured with.
+    ("--ckpt-format", "torch"),
+)
 
 
 class MegatronLMMissing(RuntimeError):
-    """No importable Megatron-LM checkout."""
+    """No importable Megatron-LM checkout, or a package it needs is not installed."""
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    """The flags this launcher reads itself; the rest go to Megatron-LM's parser unchanged."""
+    parser = argparse.ArgumentParser(prog="megatron-zb train --megatron-lm", add_help=False, allow_abbrev=False)
+    parser.add_argument("--megatron-lm", nargs="?", const="", default=None, metavar="PATH")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--cpu-procs", type=int, default=None)
+    parser.add_argument("--cpu-threads", type=int, default=1)
+    parser.add_argument("--metrics-file", default=None)
+    return parser
+
+
+def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(our launcher flags, Megatron-LM's flags). ``--megatron-lm PATH`` takes PATH only when it is a directory."""
+    argv = list(argv)
+    if "--megatron-lm" in argv:
+        at = argv.index("--megatron-lm")
+        if at + 1 < len(argv) and not argv[at + 1].startswith("-") and not os.path.isdir(argv[at + 1]):
+            raise MegatronLMMissing(f"--megatron-lm {argv[at + 1]}: not a directory (give a Megatron-LM checkout)")
+        if at + 1 >= len(argv) or argv[at + 1].startswith("-"):
+            argv.insert(at + 1, "")
+    return launcher_parser().parse_known_args(argv)
 
 
 def run(argv: Sequence[str]) -> int:
+    launch, rest = split_argv(argv)
+    try:
+        check_megatron_lm_launch(launch)
+    except ValueError as error:
+        print(f"megatron-zb train: error: {error}", file=sys.stderr)
+        return 2
+    if launch.megatron_lm:
+        os.environ["MEGATRON_LM_PATH"] = os.path.abspath(launch.megatron_lm)
+    if launch.cpu:
+        return _spawn_cpu(launch, rest)
+    pretrain_here(rest, launch.metrics_file)
+    return 0
+
+
+def pretrain_here(argv: Sequence[str], metrics_file: str | None = None) -> None:
+    """Run Megatron-LM's pretrain() in this process (torch.distributed set up by it, or already)."""
     script = _pretrain_gpt_module()
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.training import training
 
     from .megatron.install import install
 
     install()
     check_flags_before_init()
+    if metrics_file:
+        _write_metrics(training, metrics_file)
     sys.argv = [getattr(script, "__file__", "pretrain_gpt.py"), *argv]
     datasets = script.train_valid_test_datasets_provider
     datasets.is_distributed = True  # as pretrain_gpt.py's __main__ sets it
-    pretrain(
+    extra = {}
+    if getattr(script, "get_embedding_ranks", None) is not None:
+        extra["get_embedding_ranks"] = script.get_embedding_ranks
+    if takes_config_container(training.pretrain):
+        config = _config_container(script)
+        training.pretrain(config, datasets, ModelType.encoder_or_decoder, script.forward_step, **extra)
+        return
+    training.pretrain(
         datasets,
         _model_provider(script),
         ModelType.encoder_or_decoder,
         script.forward_step,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
         extra_args_provider=add_args,
+        **extra,
     )
-    return 0
+
+
+def takes_config_container(pretrain) -> bool:
+    """Megatron-LM >= 0.18: ``pretrain(cfg_container, datasets, model_type, forward_step, ...)``."""
+    return next(iter(inspect.signature(pretrain).parameters), None) == "cfg_container"
+
+
+def _config_container(script):
+    """What pretrain_gpt.py's ``__main__`` builds before calling a config-container pretrain()."""
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=add_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    return pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
 
 
 def _pretrain_gpt_module():
     root = os.environ.get("MEGATRON_LM_PATH")
     if root and root not in sys.path:
-        sys.path.insert(0, root)
+        if os.environ.get("MEGATRON_LM_USE_INSTALLED") == "1":
+            sys.path.append(root)  # the installed megatron.core/megatron.training win; the checkout's scripts
+        else:
+            sys.path.insert(0, root)
     try:
         importlib.import_module("megatron.training")
         return importlib.import_module("pretrain_gpt")
     except ImportError as error:
-        raise MegatronLMMissing(
-            f"--megatron-lm needs a Megatron-LM checkout (megatron.training and pretrain_gpt.py) on PYTHONPATH or in "
-            f"MEGATRON_LM_PATH ({error}); without it, drop --megatron-lm to use megatron-zb's own loop"
-        ) from None
+        raise _missing(error, root) from None
+
+
+def _missing(error: ImportError, root: str | None) -> MegatronLMMissing:
+    """Name a missing package as such; only a missing ``megatron.training`` or script means no checkout."""
+    name = (getattr(error, "name", None) or "").split(".")[0]
+    if name and name not in _CHECKOUT_MODULES:
+        return MegatronLMMissing(
+            f"Megatron-LM needs the package '{name}', which is not installed ({error}); install Megatron-LM's "
+            "pure-Python dependencies with `pip install 'megatron-zb[megatron-lm]'`"
+        )
+    where = f"MEGATRON_LM_PATH={root} has none" if root else "none found"
+    return MegatronLMMissing(
+        f"--megatron-lm needs a Megatron-LM checkout (megatron.training and pretrain_gpt.py): give its path "
+        f"(--megatron-lm PATH), set MEGATRON_LM_PATH or put it on PYTHONPATH; {where} ({error}). Without it, drop "
+        "--megatron-lm to use megatron-zb's own loop"
+    )
 
 
 def _model_provider(script):
@@ -79,6 +187,8 @@ def check_flags_before_init() -> None:
     """
     from megatron.training import initialize
 
+    with contextlib.suppress(ImportError):
+        importlib.import_module("megatron.training.arguments")
     modules = [initialize, sys.modules.get("megatron.training.arguments")]
     for module in modules:
         validate_args = getattr(module, "validate_args", None)
@@ -93,15 +203,139 @@ def _checked(validate_args):
         found = validate_args(args, *rest, **kwargs)
         try:
             settings = schedule_settings(found if found is not None else args)
+            if settings is not None and settings.costs_file:
+                writable_file("--zero-bubble-save-costs", settings.costs_file)
         except ValueError as error:
             raise SystemExit(f"megatron-zb: {error}") from None
         if settings is not None and settings.placement.kind == "v":
             raise SystemExit(
-                f"megatron-zb: {settings.schedule} needs the V-shape model placement, which Megatron-LM's "
-                "pretrain_gpt model provider does not build; run it with `megatron-zb train`, or choose a schedule "
-                "with Megatron's placement here (zb-1p, zb-2p, zb-h1, zb-h2, 1f1b, interleaved-1f1b)"
+                f"megatron-zb: {settings.schedule} needs the V-shape model placement (the first pipeline rank "
+                "holds both the embedding and the loss), which Megatron-LM cannot build: its get_model, model "
+                "provider and get_batch choose pre_process/post_process with mpu.is_pipeline_first_stage/"
+                "is_pipeline_last_stage, which only know the looping placement, and "
+                "--pipeline-model-parallel-layout sets how many layers each block holds, not which rank holds "
+                "it; run it with `megatron-zb train` (megatron-zb's own loop), or choose a schedule with "
+                "Megatron's placement here (zb-1p, zb-2p, zb-h1, zb-h2, 1f1b, interleaved-1f1b)"
             )
         return found
 
     validate.megatron_zb_checked = True
     return validate
+
+
+def _write_metrics(training, path: str) -> None:
+    """``--metrics-file``: one JSON line per iteration from Megatron-LM's ``training_log`` (logging rank only)."""
+    original = training.training_log
+    if getattr(original, "megatron_zb_metrics", False):
+        return
+    from .megatron.install import active_settings
+    from .training.measured import MetricsWriter
+
+    writer = MetricsWriter(path)
+    last = [time.perf_counter()]
+
+    @functools.wraps(original)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
+        now = time.perf_counter()
+        settings = active_settings()
+        loss = loss_dict.get("lm loss") if loss_dict else None
+        grad_norm = rest[3] if len(rest) > 3 else kwargs.get("grad_norm")
+        skipped = rest[2] if len(rest) > 2 else kwargs.get("skipped_iter")
+        writer.write(
+            iteration,
+            None if loss is None else float(loss),
+            now - last[0],
+            None,
+            settings.schedule if settings is not None else "megatron-core",
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            learning_rate=None if learning_rate is None else float(learning_rate),
+            skipped=bool(skipped),
+        )
+        last[0] = now
+        return original(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
+
+    training_log.megatron_zb_metrics = True
+    training.training_log = training_log
+
+
+def _world_size(launch: argparse.Namespace, argv: Sequence[str]) -> int:
+    sizes = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    sizes.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    sizes.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    found, _ = sizes.parse_known_args(argv)
+    model_parallel = found.tensor_model_parallel_size * found.pipeline_model_parallel_size
+    procs = launch.cpu_procs or model_parallel
+    if procs < 1 or procs % model_parallel:
+        raise SystemExit(
+            f"megatron-zb train: --cpu-procs {procs} does not split into tensor x pipeline = {model_parallel} "
+            f"groups; use a multiple of {model_parallel}"
+        )
+    return procs
+
+
+def cpu_argv(argv: Sequence[str]) -> list[str]:
+    """Megatron-LM's flags with what a CPU run needs added where the command line does not say otherwise."""
+    out = list(argv)
+    given = {arg.split("=", 1)[0] for arg in out if arg.startswith("--")}
+    for flag, value in CPU_DEFAULTS:
+        if flag not in given:
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def _spawn_cpu(launch: argparse.Namespace, argv: Sequence[str]) -> int:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    world = _world_size(launch, argv)
+    _pretrain_gpt_module_path_check()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    worker_argv = cpu_argv(argv)
+    try:
+        mp.spawn(
+            _cpu_worker,
+            args=(world, store.port, launch.cpu_threads, worker_argv, launch.metrics_file, list(sys.path)),
+            nprocs=world,
+            join=True,
+        )
+    except mp.ProcessRaisedException as error:
+        print(f"megatron-zb train: a rank failed:\n{error}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as error:
+        print(f"megatron-zb train: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _pretrain_gpt_module_path_check() -> None:
+    """Fail here, once, rather than in every spawned process when the checkout or a package is missing."""
+    _pretrain_gpt_module()
+
+
+def _cpu_worker(
+    rank: int, world: int, port: int, threads: int, argv: list[str], metrics_file: str | None, path: list[str]
+) -> None:
+    sys.path[:] = path
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    import torch
+    import torch.distributed as dist
+
+    from . import megatron_lm_cpu
+
+    torch.set_num_threads(threads)
+    megatron_lm_cpu.enable()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        pretrain_here(argv, metrics_file)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise RuntimeError(f"Megatron-LM exited: {stop.code}") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -8,7 +8,11 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 patch_file="$here/megatron-lm-pretrain_gpt.patch"
-versions="Megatron-LM core_r0.13 .. core_r0.16 and main up to early 2026 (see the header of $patch_file)"
+# Megatron-LM versions (megatron/core/package_info.py of the checkout) whose training runs with the patch:
+# core_v0.16.x to core_v0.19.x and main as of 2026-08 (0.20.0 pre-release); see docs/compatibility.md.
+min_version="0.16.0"
+above="0.21.0"  # first version not supported
+versions="Megatron-LM core_v0.16.0 .. core_v0.19.x and main up to 2026-08 (megatron-core $min_version up to, not including, $above)"
 marker="# megatron-zb"
 # One line per hunk; their presence means the patch is in.
 applied_lines=("megatron_zb.install()" "megatron_zb.extra_args_provider(")
@@ -30,6 +34,17 @@ if [[ ! -f "$target" ]]; then
     exit 2
 fi
 
+# MAJOR.MINOR.PATCH of the checkout's megatron-core, or nothing when package_info.py is missing.
+checkout_version() {
+    local info="$checkout/megatron/core/package_info.py"
+    [[ -f "$info" ]] || return 0
+    local major minor patch
+    major=$(sed -nE 's/^MAJOR *= *([0-9]+).*/\1/p' "$info")
+    minor=$(sed -nE 's/^MINOR *= *([0-9]+).*/\1/p' "$info")
+    patch=$(sed -nE 's/^PATCH *= *([0-9]+).*/\1/p' "$info")
+    [[ -n "$major" && -n "$minor" && -n "$patch" ]] && echo "$major.$minor.$patch"
+}
+
 instead() {
     cat >&2 <<EOF
 This patch is for $versions.
@@ -44,6 +59,20 @@ Instead:
         MEGATRON_LM_PATH=$checkout torchrun ... -m megatron_zb.pretrain_gpt --megatron-lm <flags>
 EOF
 }
+
+version=$(checkout_version)
+if [[ -z "$version" ]]; then
+    echo "apply.sh: cannot tell the Megatron-LM version of $checkout ($checkout/megatron/core/package_info.py" \
+        "has no MAJOR/MINOR/PATCH); this patch is for $versions. $target was not changed." >&2
+    exit 1
+fi
+version_le() { [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" == "$1" ]]; }
+if ! version_le "$min_version" "$version" || version_le "$above" "$version"; then
+    echo "apply.sh: $checkout is Megatron-LM (megatron-core) $version; this patch is for $versions." >&2
+    echo "Training on other versions was not checked: $target was not changed." >&2
+    echo "Use a checkout in that range (e.g. git -C $checkout checkout core_v0.19.0)." >&2
+    exit 1
+fi
 
 found=()
 for line in "${applied_lines[@]}"; do

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..schedule import Schedule, ScheduleError, ScheduleSpec, build, names
 from ..schedule.placement import Placement
+from ..training.checks import check_zero_bubble_numbers, refuse_zero_bubble_settings
 from .layer_split import layers_per_block
 
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
@@ -186,6 +187,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     Reads Megatron-LM's names: pipeline/tensor/context sizes, ``num_layers``, the batch sizes
     and ``data_parallel_size`` (derive it before calling).
     """
+    check_zero_bubble_numbers(args)
     if not enabled(args):
         _refuse_zero_bubble_only_flags(args)
         return None
@@ -217,6 +219,11 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
 
 def _post_validation(args: argparse.Namespace) -> bool:
     if not getattr(args, "enable_optimizer_post_validation", False):
+        if getattr(args, "optimizer_post_validation_rollback", "exact") != "exact":
+            raise ValueError(
+                "--optimizer-post-validation-rollback chooses how post-validation undoes a step; it needs "
+                "--enable-optimizer-post-validation"
+            )
         return False
     if getattr(args, "log_num_zeros_in_grad", False):
         raise ValueError(
@@ -238,6 +245,11 @@ def _replan_window(args: argparse.Namespace) -> tuple[int, int] | None:
         if getattr(args, "zero_bubble_save_costs", None):
             raise ValueError(
                 "--zero-bubble-save-costs saves the costs measured for re-planning; drop it or --no-zero-bubble-replan"
+            )
+        if (start, end) != (100, 110):
+            raise ValueError(
+                "--zero-bubble-pipeline-timers-start-iter/-end-iter choose the iterations timed for re-planning, "
+                "which --no-zero-bubble-replan turns off; drop one of them"
             )
         return None
     if start < 1:
@@ -308,8 +320,15 @@ def _virtual_chunks(args: argparse.Namespace) -> int | None:
 
 def _microbatches(args: argparse.Namespace) -> int:
     dp = getattr(args, "data_parallel_size", 1) or 1
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be at least 1 (samples per microbatch), got {args.micro_batch_size}")
     per_step = args.micro_batch_size * dp
-    global_batch = getattr(args, "global_batch_size", None) or per_step
+    global_batch = getattr(args, "global_batch_size", None)
+    global_batch = per_step if global_batch is None else global_batch
+    if global_batch < 1:
+        raise ValueError(
+            f"--global-batch-size must be at least 1 (or left out: micro batch x data parallel), got {global_batch}"
+        )
     if global_batch % per_step:
         nearest = per_step * max(1, global_batch // per_step)
         raise ValueError(
@@ -332,8 +351,28 @@ def _refuse_unsupported_models(args: argparse.Namespace) -> None:
         )
     if getattr(args, "mtp_num_layers", None):
         raise ValueError("megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet")
-    if getattr(args, "encoder_num_layers", None) and getattr(args, "encoder_num_layers", 0) > 0:
-        raise ValueError("megatron-zb schedules run decoder-only models; encoder layers are not supported")
+    if is_encoder_and_decoder(args):
+        raise ValueError(
+            "megatron-zb schedules run decoder-only models (GPT); encoder-decoder models (--encoder-num-layers "
+            "with --decoder-num-layers, as T5) are not supported: drop the zero-bubble flags to run megatron-core's "
+            "own schedule"
+        )
+
+
+def is_encoder_and_decoder(args: argparse.Namespace) -> bool:
+    """An encoder-decoder model, told apart as Megatron-LM does: by ``--decoder-num-layers`` or the model type.
+
+    Megatron-LM's validate_args copies ``num_layers`` into ``encoder_num_layers`` for every model
+    (GPT included), so that field says nothing; T5 gives ``--encoder-num-layers`` and
+    ``--decoder-num-layers`` and pretrain() gets ``ModelType.encoder_and_decoder``.
+    """
+    if getattr(args, "decoder_num_layers", None) is not None:
+        return True
+    model_type = getattr(args, "model_type", None)
+    if getattr(model_type, "name", None) == "encoder_and_decoder":
+        return True
+    encoder = getattr(args, "encoder_num_layers", None)
+    return bool(encoder) and encoder != getattr(args, "num_layers", None)
 
 
 def check_layers(num_layers: int, schedule: Schedule, pad: bool) -> None:
@@ -362,6 +401,7 @@ def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
             "--zero-bubble-save-costs needs a zero-bubble schedule (--enable-zero-bubble, --zero-bubble-v-schedule "
             "or --pipeline-schedule NAME); megatron-core's own schedule is not timed"
         )
+    refuse_zero_bubble_settings(args)
 
 
 def _megatron_flags(message: str) -> str:

@@ -9,6 +9,7 @@ installed here) that record what pretrain() is given.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import shutil
 import subprocess
@@ -52,10 +53,17 @@ def layout(name: str) -> str:
     return text
 
 
-def checkout(tmp_path: Path, text: str) -> Path:
+PACKAGE_INFO = 'MAJOR = {}\nMINOR = {}\nPATCH = {}\nPRE_RELEASE = ""\n'
+
+
+def checkout(tmp_path: Path, text: str, version: str | None = "0.16.1") -> Path:
+    """A checkout with this pretrain_gpt.py and megatron/core/package_info.py saying ``version``."""
     root = tmp_path / "Megatron-LM"
     root.mkdir()
     (root / "pretrain_gpt.py").write_text(text)
+    if version is not None:
+        (root / "megatron" / "core").mkdir(parents=True)
+        (root / "megatron" / "core" / "package_info.py").write_text(PACKAGE_INFO.format(*version.split(".")))
     return root
 
 
@@ -78,7 +86,7 @@ def test_patch_applies_and_marks_every_line(tmp_path: Path, name: str) -> None:
     added = [line for line in after.splitlines() if line not in before]
     assert len(added) == 4 and all("# megatron-zb" in line for line in added)
     assert after.index("megatron_zb.install()") > after.index(WRAP) > after.index('if __name__ == "__main__":')
-    assert sorted(path.name for path in root.iterdir()) == ["pretrain_gpt.py"]
+    assert sorted(path.name for path in root.iterdir()) == ["megatron", "pretrain_gpt.py"]
 
 
 @pytest.mark.parametrize("name", ["main", "r0.15", "r0.14", "main-embedding-ranks"])
@@ -128,9 +136,48 @@ def test_refusal_names_the_lines_and_leaves_the_file_alone(
     for hunk in kept:
         assert f"Hunk {hunk} found" not in message
     assert PROVIDER.strip() in message  # the line hunk 2 looks for
-    assert "core_r0.13" in message and "by hand" in message and "--megatron-lm" in message
+    assert "core_v0.16.0" in message and "by hand" in message and "--megatron-lm" in message
     assert (root / "pretrain_gpt.py").read_text() == text
-    assert sorted(path.name for path in root.iterdir()) == ["pretrain_gpt.py"]
+    assert sorted(path.name for path in root.iterdir()) == ["megatron", "pretrain_gpt.py"]
+
+
+@pytest.mark.parametrize("version", ["0.16.0", "0.19.1", "0.20.0"])
+def test_versions_in_the_range_are_patched(tmp_path: Path, version: str) -> None:
+    assert apply(checkout(tmp_path, layout("main"), version)).returncode == 0
+
+
+@pytest.mark.parametrize("version", ["0.15.1", "0.21.0", "1.0.0"])
+def test_version_outside_the_range_is_refused(tmp_path: Path, version: str) -> None:
+    root = checkout(tmp_path, layout("main"), version)
+    done = apply(root)
+    assert done.returncode == 1
+    assert done.stderr.startswith(
+        f"apply.sh: {root} is Megatron-LM (megatron-core) {version}; this patch is for Megatron-LM core_v0.16.0 .. "
+        "core_v0.19.x and main up to 2026-08 (megatron-core 0.16.0 up to, not including, 0.21.0).\n"
+    )
+    assert (root / "pretrain_gpt.py").read_text() == layout("main")
+
+
+def test_checkout_without_a_version_is_refused(tmp_path: Path) -> None:
+    root = checkout(tmp_path, layout("main"), version=None)
+    done = apply(root)
+    assert done.returncode == 1 and "cannot tell the Megatron-LM version" in done.stderr
+    assert (root / "pretrain_gpt.py").read_text() == layout("main")
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+def test_patch_applies_to_the_real_checkout(tmp_path: Path) -> None:
+    """A copy of the real pretrain_gpt.py and package_info.py (the checkout itself is left alone)."""
+    real = Path(os.environ["MEGATRON_LM_PATH"])
+    root = tmp_path / "Megatron-LM"
+    (root / "megatron" / "core").mkdir(parents=True)
+    shutil.copy(real / "pretrain_gpt.py", root / "pretrain_gpt.py")
+    shutil.copy(real / "megatron" / "core" / "package_info.py", root / "megatron" / "core" / "package_info.py")
+    done = apply(root)
+    assert done.returncode == 0, done.stderr
+    after = (root / "pretrain_gpt.py").read_text()
+    assert "    megatron_zb.install()  # megatron-zb\n" in after and CHAINED in after
+    compile(after, "pretrain_gpt.py", "exec")
 
 
 def test_partly_patched_file_is_refused(tmp_path: Path) -> None:

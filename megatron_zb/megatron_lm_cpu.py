@@ -1,0 +1,205 @@
+"""What Megatron-LM's ``pretrain()`` needs on top of ``megatron_zb.cpu`` to run on CPU with gloo.
+
+``megatron_zb.cpu.enable()`` covers megatron-core; Megatron-LM's initialize and training loop
+assume a GPU in a few more places, each shimmed here to what a CPU process would do:
+
+- ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: it gets ``allow_no_cuda=True``.
+- ``torch.cuda.device_count() == 0`` makes it skip ``initialize_model_parallel`` and the
+  model-parallel seeds: it reads 1, ``set_device`` does nothing, and the model-parallel seed
+  seeds the CPU generator and keeps megatron_zb.cpu's no-op RNG tracker (no CUDA generators).
+- ``get_model`` builds DDP inside a side CUDA stream: streams and events are inert here.
+- the fused softmax kernels are compiled with nvcc at start-up: the unfused path needs none.
+- the dataset index helpers are compiled with whatever ``python3`` is on PATH: built with this
+  interpreter and its pybind11 instead (when the checkout's megatron.core has none built).
+- checkpoints save and restore the CUDA RNG state: an empty state, restored as a no-op.
+- memory reports read CUDA allocator statistics: zeros.
+
+``enable()`` is idempotent and, like ``megatron_zb.cpu.enable()``, refuses a machine with CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import subprocess
+import sys
+import sysconfig
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_enabled = False
+
+
+class _Stream:
+    """A CUDA stream that orders nothing: every CPU op already runs in program order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+def enable() -> None:
+    """Let Megatron-LM's initialize and training loop run on CPU in this process (idempotent)."""
+    global _enabled
+    from . import cpu
+
+    cpu.enable()
+    with _lock:
+        if _enabled:
+            return
+        _torch_cuda()
+        _megatron_lm()
+        _enabled = True
+
+
+def _torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda device: None
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.set_stream = lambda stream: None
+    cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+    cuda.set_rng_state = lambda state, device="cuda": None
+    cuda.manual_seed = lambda seed: None
+    cuda.manual_seed_all = lambda seed: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.memory_stats = lambda device=None: _ZeroStats()
+    cuda.reset_peak_memory_stats = lambda device=None: None
+
+
+class _ZeroStats(dict):
+    def __missing__(self, key):
+        return 0
+
+
+def _megatron_lm() -> None:
+    from megatron.core import tensor_parallel
+
+    seed = _cpu_model_parallel_seed(tensor_parallel.model_parallel_cuda_manual_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed = seed
+    with contextlib.suppress(ImportError):
+        from megatron.core.tensor_parallel import random
+
+        random.model_parallel_cuda_manual_seed = seed
+    from megatron.core.datasets import utils as dataset_utils
+
+    dataset_utils.compile_helpers = compile_dataset_helpers
+    initialize = importlib.import_module("megatron.training.initialize")
+    for module in (initialize, importlib.import_module("megatron.training.training")):
+        original = getattr(module, "initialize_megatron", None)
+        if original is not None:
+            module.initialize_megatron = _without_cuda(original)
+    if hasattr(initialize, "model_parallel_cuda_manual_seed"):
+        initialize.model_parallel_cuda_manual_seed = seed
+    if getattr(initialize, "tensor_parallel", None) is tensor_parallel:
+        pass  # initialize calls tensor_parallel.model_parallel_cuda_manual_seed, patched above
+    with contextlib.suppress(ImportError):
+        from megatron.legacy import fused_kernels
+
+        fused_kernels.load = lambda args: None
+
+
+def _without_cuda(initialize_megatron):
+    """``initialize_megatron`` with ``allow_no_cuda=True``: its CUDA assert is the only thing that flag changes."""
+    if getattr(initialize_megatron, "megatron_zb_cpu", False):
+        return initialize_megatron
+
+    @functools.wraps(initialize_megatron)
+    def initialize(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    initialize.megatron_zb_cpu = True
+    return initialize
+
+
+def _cpu_model_parallel_seed(original):
+    if getattr(original, "megatron_zb_cpu", False):
+        return original
+
+    @functools.wraps(original)
+    def model_parallel_cuda_manual_seed(seed: int, *args, **kwargs) -> None:
+        from . import cpu
+
+        cpu.reset_rng_tracker()
+
+    model_parallel_cuda_manual_seed.megatron_zb_cpu = True
+    return model_parallel_cuda_manual_seed
+
+
+def compile_dataset_helpers() -> None:
+    """Build megatron-core's dataset index helpers for this interpreter, unless they import already."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+        return
+    from megatron.core import datasets
+
+    folder = os.path.dirname(os.path.abspath(datasets.__file__))
+    try:
+        includes = subprocess.run(
+            [sys.executable, "-m", "pybind11", "--includes"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except subprocess.CalledProcessError:
+        raise SystemExit(
+            "megatron-zb: building megatron-core's dataset helpers needs the package pybind11 "
+            "(pip install 'megatron-zb[megatron-lm]')"
+        ) from None
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    done = subprocess.run(
+        ["make", "-C", folder, f"CPPFLAGS={includes}", f"LIBEXT={suffix}"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"megatron-zb: building megatron-core's dataset helpers in {folder} failed (needs make and a C++ "
+            f"compiler):\n{done.stdout}{done.stderr}"
+        )
+
+
+def is_enabled() -> bool:
+    return _enabled

@@ -1,0 +1,95 @@
+"""Megatron-LM's own pretrain() on CPU with megatron-zb's schedules, against a real checkout.
+
+Runs when MEGATRON_LM_PATH names a Megatron-LM checkout (core_v0.16.1 on Python 3.11, core_v0.19.0
+or main on Python 3.12), skipped otherwise; its pure-Python dependencies come from
+``pip install 'megatron-zb[megatron-lm]'``. Every case is one ``megatron-zb train --megatron-lm
+PATH --cpu`` launch (pretrain() owns its process): a tiny GPT (fp32, dropout 0, gradient clipping
+on) trains 10 iterations on pp=2 and the losses of each schedule equal megatron-core's 1F1B to
+1e-5 relative. ``MEGATRON_LM_USE_INSTALLED=1`` runs the installed megatron-core's own
+``megatron/training`` (the wheel ships it from 0.17 on) with only the checkout's scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+
+ITERATIONS = 10
+MODEL = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --pipeline-model-parallel-size 2 --hidden-dropout 0 "
+    "--attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 10 --seed 1234 --clip-grad 0.05"
+)
+CASES = {
+    "1f1b": "",  # megatron-core's own schedule: the reference
+    "zb-1p": "--enable-zero-bubble",
+    "zb-2p": "--enable-zero-bubble --zero-bubble-max-pending-backward 4",
+    "post-validation": "--enable-zero-bubble --enable-optimizer-post-validation",
+}
+
+
+def launch(flags: str, metrics: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_zb.pretrain_gpt", "--megatron-lm", CHECKOUT, "--cpu"]
+    command += [*MODEL.split(), *flags.split(), "--metrics-file", str(metrics), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=420)
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {row["iteration"]: row["loss"] for row in rows}
+
+
+@cache
+def trained(case: str, tmp: Path) -> dict[int, float]:
+    metrics = tmp / f"{case}.jsonl"
+    save = ("--save", str(tmp / f"{case}-ckpt"), "--save-interval", "5") if case == "zb-1p" else ()
+    done = launch(CASES[case], metrics, "--train-iters", str(ITERATIONS), *save)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return losses(metrics)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("megatron-lm")
+
+
+def assert_close(found: dict[int, float], reference: dict[int, float]) -> None:
+    assert sorted(found) == sorted(reference)
+    for iteration, loss in reference.items():
+        assert found[iteration] == pytest.approx(loss, rel=1e-5), (iteration, found, reference)
+
+
+@pytest.mark.parametrize("case", ["zb-1p", "zb-2p", "post-validation"])
+def test_losses_equal_megatron_cores_1f1b(tmp: Path, case: str) -> None:
+    reference = trained("1f1b", tmp)
+    assert sorted(reference) == list(range(1, ITERATIONS + 1))
+    assert reference[ITERATIONS] < reference[1]
+    assert_close(trained(case, tmp), reference)
+
+
+def test_resume_from_iteration_5_reproduces_6_to_10(tmp: Path) -> None:
+    reference = trained("1f1b", tmp)
+    trained("zb-1p", tmp)  # saved at iteration 5 (and 10)
+    checkpoint = tmp / "zb-1p-ckpt"
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text("5")
+    metrics = tmp / "resumed.jsonl"
+    done = launch(CASES["zb-1p"], metrics, "--train-iters", str(ITERATIONS), "--load", str(checkpoint))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_close(losses(metrics), {it: loss for it, loss in reference.items() if it > 5})
+
+
+def test_v_schedule_is_refused_before_pretrain(tmp: Path) -> None:
+    done = launch("--zero-bubble-v-schedule", tmp / "v.jsonl", "--train-iters", "1")
+    assert done.returncode != 0
+    assert "zb-v needs the V-shape model placement" in done.stderr
+    assert not (tmp / "v.jsonl").exists()
