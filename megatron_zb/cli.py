@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -24,13 +25,36 @@ FORMATS = ("text", "json", "svg", "html", "chrome-trace")
 
 def _numbers(text: str) -> tuple[float, ...]:
     try:
-        return tuple(float(item) for item in text.split(","))
+        values = tuple(float(item) for item in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {text!r}") from None
+    if not all(map(math.isfinite, values)):
+        raise argparse.ArgumentTypeError(f"expected finite numbers (no nan or inf), got {text!r}")
+    return values
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number (no nan or inf), got {text!r}")
+    return value
+
+
+def _limit(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (leave it out for no limit), got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -57,7 +81,7 @@ def _add_setting_args(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--cost-f", type=_numbers, help="forward time T_F (default 1)")
     costs.add_argument("--cost-b", type=_numbers, help="input-gradient backward time T_B (default 1)")
     costs.add_argument("--cost-w", type=_numbers, help="weight-gradient backward time T_W (default 1)")
-    costs.add_argument("--cost-comm", type=float, help="latency per cross-rank transfer (default 0)")
+    costs.add_argument("--cost-comm", type=_finite, help="latency per cross-rank transfer (default 0)")
     costs.add_argument(
         "--costs-from",
         metavar="FILE",
@@ -68,7 +92,7 @@ def _add_setting_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--mem-f", type=_numbers, help="allocated by F (default 1)")
     memory.add_argument("--mem-b", type=_numbers, help="freed by B, negative (default -0.5)")
     memory.add_argument("--mem-w", type=_numbers, help="freed by W, negative (default -0.5)")
-    memory.add_argument("--memory-limit", type=float, help="per-rank activation memory limit (default: none)")
+    memory.add_argument("--memory-limit", type=_limit, help="per-rank activation memory limit, > 0 (default: none)")
 
 
 def _add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +126,7 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--format", choices=FORMATS, default="text", help="default: text")
     out.add_argument("-o", "--output", help="write to this file instead of standard output")
-    out.add_argument("--width", type=int, help="text format: at most this many columns for the timeline")
+    out.add_argument("--width", type=_positive_int, help="text format: at most this many columns for the timeline")
     out.add_argument("--color", action="store_true", help="text format: ANSI colors by pass kind")
 
 
@@ -130,6 +154,12 @@ def make_parser() -> argparse.ArgumentParser:
         "train",
         help="train a GPT on megatron-core with a schedule (pretrain_gpt flags; --cpu spawns gloo processes); "
         "`megatron-zb train --help` lists them",
+        add_help=False,
+    )
+    commands.add_parser(
+        "verify",
+        help="check a pretrain_gpt setting on CPU first: a scaled-down copy trains with megatron-core's schedule "
+        "and with yours, losses and gradients compared; `megatron-zb verify --help`",
         add_help=False,
     )
     return parser
@@ -205,12 +235,36 @@ def render(timeline: Timeline, fmt: str, width: int | None = None, color: bool =
     return renderers.FORMATS[fmt](timeline)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """-o and --plot are writable (their folders created) before anything is computed."""
+    from .training.checks import writable_file  # pure Python, like this module
+
+    if getattr(args, "plot", None):
+        _plot_suffix(args.plot)
+    for option, path in (("-o/--output", getattr(args, "output", None)), ("--plot", getattr(args, "plot", None))):
+        if path:
+            try:
+                writable_file(option, path)
+            except ValueError as error:
+                raise ScheduleError(str(error)) from None
+
+
 def _write(text: str, path: str | None) -> None:
-    if path:
+    if not path:
+        print(text)
+        return
+    try:
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(text if text.endswith("\n") else text + "\n")
-    else:
-        print(text)
+    except OSError as error:
+        raise ScheduleError(f"-o/--output {path}: cannot write ({error.strerror or error})") from None
+
+
+def _plot_suffix(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".svg", ".png"):
+        raise ScheduleError(f"--plot writes .svg or .png files, got {path!r}")
+    return suffix
 
 
 def _plot(comparison: Comparison, path: str) -> None:
@@ -218,12 +272,12 @@ def _plot(comparison: Comparison, path: str) -> None:
     from .render.pareto import render_pareto_svg
 
     svg = render_pareto_svg(comparison)
-    suffix = Path(path).suffix.lower()
-    if suffix == ".svg":
-        Path(path).write_text(svg, encoding="utf-8")
+    if _plot_suffix(path) == ".svg":
+        try:
+            Path(path).write_text(svg, encoding="utf-8")
+        except OSError as error:
+            raise ScheduleError(f"--plot {path}: cannot write ({error.strerror or error})") from None
         return
-    if suffix != ".png":
-        raise ScheduleError(f"--plot writes .svg or .png files, got {path!r}")
     converter = shutil.which("rsvg-convert")
     if converter is None:
         raise ScheduleError(
@@ -294,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .pretrain_gpt import main as train  # needs torch and megatron-core
 
         return train(argv[1:])
+    if argv[:1] == ["verify"]:
+        from .verify import main as verify  # needs torch and megatron-core
+
+        return verify(argv[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -301,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name:20s} {get(name).summary}")
         return 0
     try:
+        _check_outputs(args)
         {"plan": run_plan, "compare": run_compare}[args.command](args)
     except ScheduleError as error:
         print(f"megatron-zb {args.command}: error: {error}", file=sys.stderr)

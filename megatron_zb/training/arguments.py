@@ -9,10 +9,34 @@ vocabulary) and runs every check that needs no process group.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 
 from ..megatron.args import add_args, schedule_settings
 from ..schedule.placement import Placement, linear
+from . import checks
+from .manifest import check_before_spawn
+
+# Megatron-LM's --tokenizer-type values that megatron-core's tokenizers build from local files.
+NULL_TOKENIZER = "NullTokenizer"
+FILE_TOKENIZERS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+}
+TOKENIZERS = (NULL_TOKENIZER, *FILE_TOKENIZERS)
+TOKENIZER_PACKAGES = {
+    "GPT2BPETokenizer": "transformers",
+    "HuggingFaceTokenizer": "transformers",
+    "SentencePieceTokenizer": "sentencepiece",
+    "GPTSentencePieceTokenizer": "sentencepiece",
+    "Llama2Tokenizer": "sentencepiece",
+    "TikTokenizer": "tiktoken",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(parser)
     _parallel_args(parser)
     _training_args(parser)
+    _data_args(parser)
     _run_args(parser)
     add_args(parser)
     return parser
@@ -36,7 +61,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-attention-heads", type=int, required=True)
     group.add_argument("--seq-length", type=int, required=True)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    group.add_argument("--vocab-size", type=int, default=None, help="mock data vocabulary (NullTokenizer style)")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer's vocabulary (megatron-core 0.16 adds one id, its end of document; 0.17 on does not); "
+        "with --mock-data and no --tokenizer-type, the model's vocabulary before padding",
+    )
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
@@ -68,7 +99,12 @@ def _parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl")
-    group.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10,
+        help="timeout of every process group and collective; the watchdog names the stalled rank (default 10)",
+    )
 
 
 def _training_args(parser: argparse.ArgumentParser) -> None:
@@ -88,14 +124,41 @@ def _training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 turns it off")
     group.add_argument("--seed", type=int, default=1234)
-    group.add_argument("--mock-data", action="store_true", help="synthetic learnable token sequences, no files")
-    group.add_argument("--data-path", nargs="*", default=None, help="refused here: use Megatron-LM's pretrain path")
     group.add_argument("--log-interval", type=int, default=100)
     group.add_argument("--save", default=None, help="checkpoint directory")
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
     group.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="with --load: stop with an error when it holds no checkpoint, instead of training from scratch",
+    )
+    group.add_argument(
         "--exit-interval", type=int, default=None, help="stop after an iteration divisible by this (saving with --save)"
+    )
+
+
+def _data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data and evaluation (Megatron-LM names)")
+    group.add_argument("--mock-data", action="store_true", help="synthetic learnable token sequences, no files")
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="megatron-core indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: [WEIGHT] PREFIX ...",
+    )
+    group.add_argument("--split", default="969, 30, 1", help="train, validation, test proportions of --data-path")
+    group.add_argument("--data-cache-path", default=None, help="where megatron-core keeps the dataset's indices")
+    group.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    group.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None, help="default: NullTokenizer semantics")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: its vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: its merges.txt")
+    group.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece, Llama2, TikTokenizer, HuggingFace: the model file"
+    )
+    group.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation; 0 turns it off")
+    group.add_argument(
+        "--eval-interval", type=int, default=1000, help="evaluate on the validation split every this many iterations"
     )
 
 
@@ -124,14 +187,20 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        derive_and_check(args)
+        notes = derive_and_check(args)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: warn once
+        for note in notes:
+            print(f"{parser.prog}: warning: {note}", file=sys.stderr)
     return args
 
 
-def derive_and_check(args: argparse.Namespace) -> None:
-    """Fill derived fields and refuse bad combinations; ValueError names the flags."""
+def derive_and_check(args: argparse.Namespace) -> list[str]:
+    """Fill derived fields and refuse bad settings (ValueError names the flag); returns warnings for flags that
+    have no effect. Nothing has started yet, and every path the run writes is checked writable (see checks.py)."""
+    checks.check_given(args)
+    given = checks.given(args, build_parser())
     world = _world_size(args)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world % model_parallel:
@@ -147,9 +216,17 @@ def derive_and_check(args: argparse.Namespace) -> None:
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _check_data(args)
     _check_model(args)
-    args.padded_vocab_size = padded_vocab(args.vocab_size, args.make_vocab_size_divisible_by, args)
+    checks.check_derived(args)
+    checks.refuse_cpu_flags(args)
+    args.tokenizer_vocab_size = tokenizer_vocab(args)
+    args.padded_vocab_size = padded_vocab(args.tokenizer_vocab_size, args.make_vocab_size_divisible_by, args)
     args.zero_bubble = schedule_settings(args)
     args.placement = placement_of(args)
+    checks.check_placement(args)
+    checks.check_replan_window(args)
+    check_before_spawn(args)  # --load/--save against the checkpoints there (manifest.py)
+    checks.check_outputs(args)
+    return checks.unused(args, given)
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -166,15 +243,82 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    if args.data_path:
+    import os
+
+    if args.data_path and args.mock_data:
+        raise ValueError("--data-path and --mock-data are exclusive; give one")
+    if not args.data_path and not args.mock_data:
         raise ValueError(
-            "--data-path: this loop trains on --mock-data only; for real datasets add --megatron-lm to run "
-            "Megatron-LM's pretrain() (needs a Megatron-LM checkout)"
+            "give --mock-data (synthetic sequences) or --data-path PREFIX (a megatron-core indexed dataset, "
+            "PREFIX.bin and PREFIX.idx)"
         )
-    if not args.mock_data:
-        raise ValueError("give --mock-data (synthetic sequences); real datasets run through Megatron-LM's pretrain")
-    if args.vocab_size is None:
-        raise ValueError("--mock-data needs --vocab-size (as Megatron-LM's NullTokenizer does)")
+    if args.tokenizer_type is None:
+        if args.data_path:
+            raise ValueError(
+                f"--data-path needs --tokenizer-type (as Megatron-LM's pretrain_gpt): one of {', '.join(TOKENIZERS)}"
+            )
+        if args.vocab_size is None:
+            raise ValueError("--mock-data needs --vocab-size (as Megatron-LM's NullTokenizer does)")
+    elif args.tokenizer_type == NULL_TOKENIZER and args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (its ids are 0 .. N-1, N is the eod)")
+    for flag in FILE_TOKENIZERS.get(args.tokenizer_type, ()):
+        path = getattr(args, flag)
+        option = "--" + flag.replace("_", "-")
+        if path is None:
+            raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs {option} FILE (it reads its vocabulary)")
+        if not os.path.exists(path):
+            raise ValueError(f"{option} {path}: no such file")
+    for prefix in _prefixes(args.data_path or []):
+        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+        if missing:
+            raise ValueError(
+                f"--data-path {prefix}: {' and '.join(missing)} not found (give the prefix of a megatron-core "
+                "indexed dataset, without .bin/.idx)"
+            )
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0 (0 turns evaluation off), got {args.eval_iters}")
+    if args.eval_interval < 1:
+        raise ValueError(f"--eval-interval must be at least 1, got {args.eval_interval}")
+
+
+def _prefixes(data_path: list[str]) -> list[str]:
+    """The dataset prefixes of --data-path ("PREFIX ..." or "WEIGHT PREFIX ...", as Megatron-LM reads it)."""
+    from .data import split_blend
+
+    return split_blend(data_path)[0]
+
+
+def tokenizer_vocab(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary, before padding, as Megatron-LM's build_tokenizer computes it.
+
+    Asked of megatron-core's own tokenizer: its NullTokenizer holds ``--vocab-size`` ids plus
+    an end-of-document id in 0.16 (``vocab_size + 1``) and ``--vocab-size`` ids with the last
+    one the end of document from 0.17 on. Without --tokenizer-type (mock data only), the
+    model's vocabulary is ``--vocab-size`` itself, as this launcher always took it.
+    """
+    if args.tokenizer_type is None:
+        return args.vocab_size
+    if args.tokenizer_type == NULL_TOKENIZER:
+        from .data import make_tokenizer
+
+        return int(make_tokenizer(args).vocab_size)
+    import importlib.util
+
+    from .data import make_tokenizer
+
+    package = TOKENIZER_PACKAGES[args.tokenizer_type]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"--tokenizer-type {args.tokenizer_type}: megatron-core builds it with the {package} package, which is "
+            f"not installed; install {package}, or use --tokenizer-type NullTokenizer"
+        )
+    try:
+        return int(make_tokenizer(args).vocab_size)
+    except Exception as error:  # megatron-core wraps what the library raised; name the flag and the files
+        files = ", ".join(str(getattr(args, flag)) for flag in FILE_TOKENIZERS[args.tokenizer_type])
+        raise ValueError(
+            f"--tokenizer-type {args.tokenizer_type}: megatron-core could not build it from {files}: {error}"
+        ) from error
 
 
 def _check_model(args: argparse.Namespace) -> None:

@@ -8,8 +8,10 @@ every schedule, pipeline and tensor-parallel size: runs can be compared loss for
 from __future__ import annotations
 
 import argparse
+import random
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 # Flags copied under their own names, as Megatron-LM's core_*_config_from_args do.
@@ -52,11 +54,23 @@ def init_parallel(args: argparse.Namespace, device: torch.device) -> None:
         get_embedding_ranks=embedding_ranks(args.placement),
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    torch.manual_seed(args.seed)
+    seed = pipeline_rank_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank())
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
     if device.type == "cuda":
         # Attention forks megatron's model-parallel RNG even without dropout; on CPU the
         # shims install a no-op tracker instead.
-        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def pipeline_rank_seed(seed: int, pipeline_rank: int) -> int:
+    """Megatron-LM's ``_set_random_seed``: each pipeline stage draws (dropout) from ``seed + 100 x rank``.
+
+    The initial weights do not come from it: ``placement_independent_init`` draws each
+    parameter from (--seed, its name), so every schedule and placement starts from one model.
+    """
+    return seed + 100 * pipeline_rank
 
 
 def transformer_config(args: argparse.Namespace, gloo: bool):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import time
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .build import Trainee
 from .collectives import CollectiveRecorder
-from .data import MockData
+from .data import Batches, sources
 from .gpt_step import forward_step, reduce_losses
 
 log = logging.getLogger("megatron_zb.train")
@@ -29,26 +30,19 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
 
     from ..megatron.install import runner_for
     from ..runtime.profiler import PassProfiler
-    from . import measured
+    from . import idle, measured
     from .checkpoint import load_checkpoint, save_checkpoint
 
     start = _resume(args, trainee, load_checkpoint)
-    data = MockData(
-        args.padded_vocab_size,
-        args.seq_length,
-        args.micro_batch_size,
-        args.global_batch_size,
-        parallel_state.get_data_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(),
-        args.seed,
-    )
+    batches = sources(args, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
+    data = batches.train
     profiler = PassProfiler(trainee.device)
     runner = runner_for(args.zero_bubble) if args.zero_bubble is not None else None
     if runner is not None:
         runner.profiler = profiler
     traced = _traced_iterations(args, start)
     recorder = CollectiveRecorder() if traced else None
-    logger = _IterationLog(args, runner)
+    logger = _IterationLog(args, runner, start)
     rows, replanned = [], False
     for iteration in range(start + 1, args.train_iters + 1):
         measure = runner is not None and _measured(args, iteration, trainee.device, start)
@@ -67,15 +61,23 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
         row["bubble_rate"] = (
             measured.measured_bubble(profiler.records, iteration, fb_start, fb_end) if measure else None
         )
+        row["idle"] = (  # this rank's idle breakdown (training.idle), for training.summary
+            idle.for_runner(runner, profiler, iteration, data.microbatches, len(trainee.chunks)) if measure else None
+        )
         if traced and iteration == max(traced):
             _write_trace(args, profiler, recorder, sorted(traced), measured)
         if iteration not in traced or iteration == max(traced):
             profiler.records.clear()
         if runner is not None and runner.replan_report is not None and not replanned:
             row["replan"], replanned = runner.replan_report.to_dict(), True
+        evaluate = batches.valid is not None and iteration % args.eval_interval == 0
+        if evaluate:
+            row["valid_loss"] = _evaluate(args, trainee, batches.valid, iteration // args.eval_interval - 1)
         rows.append(row)
         last = iteration == args.train_iters or (bool(args.exit_interval) and iteration % args.exit_interval == 0)
         logger.record(row, flush=last or iteration % args.log_interval == 0)
+        if evaluate:
+            logger.validation(iteration, row["valid_loss"])
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if args.save and (
             stop or iteration == args.train_iters or (args.save_interval and iteration % args.save_interval == 0)
@@ -91,7 +93,40 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
     return rows
 
 
-def _train_step(args: argparse.Namespace, trainee: Trainee, data: MockData, iteration: int, recorder=None) -> dict:
+def _evaluate(args: argparse.Namespace, trainee: Trainee, valid: Batches, index: int) -> float | None:
+    """Megatron-LM's ``evaluate``: --eval-iters forward-only iterations; the loss on the last stage.
+
+    Evaluation ``index`` (0-based) reads the validation samples after those of the ones before,
+    as Megatron-LM's validation iterator does, so a resumed run evaluates on the same samples.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if trainee.validation is not None:
+        trainee.validation.settle()  # evaluate the validated parameters
+    for chunk in trainee.chunks:
+        chunk.eval()
+    losses = []
+    with torch.no_grad():
+        for step in range(args.eval_iters):
+            iterators = [valid.iterator(index * args.eval_iters + step + 1, trainee.device) for _ in trainee.chunks]
+            losses += get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=trainee.chunks,
+                num_microbatches=valid.microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
+            )
+    for chunk in trainee.chunks:
+        chunk.train()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return reduce_losses(losses, parallel_state.get_data_parallel_group()).get("lm loss")
+
+
+def _train_step(args: argparse.Namespace, trainee: Trainee, data: Batches, iteration: int, recorder=None) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -176,17 +211,27 @@ def _write_trace(args: argparse.Namespace, profiler, recorder, iterations: list[
 
 
 def _resume(args: argparse.Namespace, trainee: Trainee, load_checkpoint) -> int:
+    """The iteration to continue after, decided once for all ranks (load_checkpoint is collective).
+
+    No checkpoint at all in --load (no folder, or an empty one) starts from scratch with a
+    warning, or stops with --exit-on-missing-checkpoint; anything else that keeps any rank from
+    loading raises the same CheckpointError on every rank.
+    """
+    from .manifest import CheckpointError, CheckpointMissing
+
     if not args.load:
         return 0
     try:
         iteration, extra = load_checkpoint(args.load, trainee.chunks, trainee.optimizer, trainee.scheduler)
-    except FileNotFoundError as error:
+    except CheckpointMissing as missing:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {args.load}: {missing} (--exit-on-missing-checkpoint)") from None
         if dist.get_rank() == 0:
-            log.warning("%s; starting from iteration 0", error)
+            log.warning("--load %s: %s; training starts from iteration 0", args.load, missing)
         return 0
     saved = extra.get("placement")
     if saved is not None and saved != _extra(args)["placement"]:
-        raise ValueError(
+        raise CheckpointError(
             f"--load {args.load}: the checkpoint holds the {saved} placement's layer blocks, this run uses "
             f"{_extra(args)['placement']} ({_extra(args)['schedule']}); resume with a schedule of the same placement"
         )
@@ -196,15 +241,16 @@ def _resume(args: argparse.Namespace, trainee: Trainee, load_checkpoint) -> int:
 
 
 def _extra(args: argparse.Namespace) -> dict:
-    placement = f"{args.placement.kind} pp={args.placement.pp} chunks={args.placement.chunks}"
+    from .manifest import placement_text
+
     schedule = args.zero_bubble.schedule if args.zero_bubble else "megatron-core"
-    return {"schedule": schedule, "seed": args.seed, "placement": placement}
+    return {"schedule": schedule, "seed": args.seed, "placement": placement_text(args.placement)}
 
 
 class _IterationLog:
     """Megatron-LM-style lines every --log-interval, a JSON line per iteration with --metrics-file."""
 
-    def __init__(self, args: argparse.Namespace, runner):
+    def __init__(self, args: argparse.Namespace, runner, start: int = 0):
         from megatron.core import parallel_state
 
         from .measured import MetricsWriter
@@ -217,6 +263,8 @@ class _IterationLog:
             and parallel_state.get_data_parallel_rank() == 0
         )
         self.metrics = MetricsWriter(args.metrics_file, enabled=True) if self.logs and args.metrics_file else None
+        if self.metrics is not None and start:
+            self.metrics.drop_after(start)  # the resumed run logs the iterations after the checkpoint again
         self.window: list[dict] = []
 
     def record(self, row: dict, flush: bool) -> None:
@@ -268,6 +316,17 @@ class _IterationLog:
             parts.append(f"measured bubble: {100 * sum(bubbles) / len(bubbles):.1f}%")
         parts.append(f"schedule: {self.schedule}")
         return " " + " | ".join(parts) + " |"
+
+    def validation(self, iteration: int, loss: float | None) -> None:
+        """Megatron-LM's ``evaluate_and_print_results`` block, framed by dashes."""
+        if not self.logs or loss is None:
+            return
+        text = (
+            f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
+        )
+        rule = "-" * (len(text) + 1)
+        log.info("\n".join((rule, text, rule)))
 
     def close(self) -> None:
         if self.metrics is not None:

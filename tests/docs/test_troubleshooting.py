@@ -293,14 +293,21 @@ CASES = [
         lambda _: train("--pipeline-schedule interleaved-1f1b --num-layers-per-virtual-pipeline-stage 3"),
     ),
     # megatron-zb train only
-    ("unrecognized arguments: --tokenizer-type", lambda _: train("--tokenizer-type GPT2BPETokenizer")),
+    ("unrecognized arguments: --reset-attention-mask", lambda _: train("--reset-attention-mask")),
     (
         "6 processes do not split into tensor (1) x pipeline (4) groups; use a multiple of 4",
         lambda _: train("--cpu-procs 6"),
     ),
     ("--cpu-procs needs --cpu", lambda _: _no_cpu("--cpu-procs 4")),
     ("--cpu-procs must be at least 1", lambda _: train("--cpu-procs -4")),
-    ("--data-path: this loop trains on --mock-data only", lambda _: train("--data-path corpus_text_document")),
+    ("--data-path and --mock-data are exclusive", lambda _: train("--data-path corpus_text_document")),
+    (
+        "--data-path needs --tokenizer-type",
+        lambda _: raised(
+            lambda: derive_and_check(build_parser().parse_args(TRAIN.replace("--mock-data", "--data-path c").split()))
+        ),
+    ),
+    ("--tokenizer-type GPT2BPETokenizer needs --vocab-file", lambda _: train("--tokenizer-type GPT2BPETokenizer")),
     ("give --mock-data (synthetic sequences)", lambda _: _without("--mock-data")),
     ("--mock-data needs --vocab-size", lambda _: _without("--vocab-size 256")),
     ("--num-experts: this launcher builds dense GPT models only", lambda _: train("--num-experts 8")),
