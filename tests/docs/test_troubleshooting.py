@@ -273,7 +273,10 @@ CASES = [
         "megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet",
         lambda _: megatron(mtp_num_layers=1),
     ),
-    ("encoder layers are not supported", lambda _: megatron(encoder_num_layers=2)),
+    (
+        "encoder-decoder models (--encoder-num-layers with --decoder-num-layers, as T5) are not supported",
+        lambda _: megatron(encoder_num_layers=2, decoder_num_layers=2),
+    ),
     # model and batch shape
     ("--num-layers 18 does not split evenly into 4 layer blocks", lambda _: train("--num-layers 18")),
     (
@@ -333,7 +336,8 @@ CASES = [
     ("resume with the same parallel sizes, chunk count and optimizer kind", checkpoint_layout),
     # --megatron-lm
     (
-        "zb-v needs the V-shape model placement, which Megatron-LM's pretrain_gpt model provider does not build",
+        "zb-v needs the V-shape model placement (the first pipeline rank holds both the embedding and the loss), which "
+        "Megatron-LM cannot build",
         v_on_megatron_lm,
     ),
     ("--megatron-lm needs a Megatron-LM checkout", no_megatron_lm),
