@@ -103,8 +103,8 @@ def _torch_cuda() -> None:
     cuda.default_stream = lambda device=None: _DEFAULT_STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.set_stream = lambda stream: None
-    cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
-    cuda.set_rng_state = lambda state, device="cuda": None
+    cuda.get_rng_state = lambda device=None: torch.empty(0, dtype=torch.uint8)
+    cuda.set_rng_state = lambda state, device=None: None
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):

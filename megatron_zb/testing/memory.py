@@ -40,6 +40,9 @@ class MemorySampler:
     def reset(self) -> None:
         self.baseline, self.peak = bytes_in_use(), 0
 
+    def call(self, start: float, end: float, posted: float) -> None:
+        """The executor reports each call's span (for the idle breakdown); memory has no use for it."""
+
     def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
         before = bytes_in_use()
         fn(arg)
