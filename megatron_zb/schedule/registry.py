@@ -6,6 +6,7 @@ reaches the simulator or the runtime unchecked.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -25,6 +26,12 @@ class ScheduleSpec:
     costs: CostModel | None = None
     memory_limit: float | None = None  # per rank; None: unlimited
     refine_seconds: float = 0.0  # automatic schedules: time for the optional solver refinement
+
+    def __post_init__(self) -> None:
+        if self.memory_limit is not None and not (math.isfinite(self.memory_limit) and self.memory_limit > 0):
+            raise ValueError(
+                f"memory limit must be a finite number > 0 (or None for no limit), got {self.memory_limit}"
+            )
 
     def cost_model(self) -> CostModel:
         return self.costs or CostModel(self.pp)

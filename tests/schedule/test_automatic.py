@@ -114,6 +114,12 @@ def test_zb_auto_with_fewer_microbatches_than_ranks_meets_the_closed_form(m):
     assert timeline("zb-auto", p, m).makespan == 2 * (m + p - 1) + 1  # (m+p-1)(T_F+T_B) + T_W
 
 
+@pytest.mark.parametrize("limit", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_spec_refuses_a_limit_that_is_not_a_positive_number(limit):
+    with pytest.raises(ValueError, match=r"memory limit must be a finite number > 0 \(or None for no limit\), got "):
+        ScheduleSpec(4, 8, memory_limit=limit)
+
+
 def test_a_limit_below_any_schedule_names_the_minimum():
     with pytest.raises(ScheduleError) as error:
         build("zb-auto", ScheduleSpec(4, 8, memory_limit=0.5))
