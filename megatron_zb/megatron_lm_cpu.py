@@ -32,6 +32,8 @@ import torch
 
 _lock = threading.Lock()
 _enabled = False
+# The one state the no-op RNG tracker reports on CPU (it forks nothing; see _cpu_model_parallel_seed).
+CPU_TRACKER_STATE = "megatron-zb-cpu-no-op"
 
 
 class _Stream:
@@ -165,9 +167,15 @@ def _cpu_model_parallel_seed(original):
 
     @functools.wraps(original)
     def model_parallel_cuda_manual_seed(seed: int, *args, **kwargs) -> None:
+        from megatron.core import tensor_parallel
+
         from . import cpu
 
         cpu.reset_rng_tracker()
+        # Megatron-LM's load_checkpoint takes empty tracker states for a damaged checkpoint and exits
+        # (sys.exit(), status 0) without loading: the no-op tracker saves one placeholder state instead.
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.get_states = lambda: {CPU_TRACKER_STATE: torch.empty(0, dtype=torch.uint8)}
 
     model_parallel_cuda_manual_seed.megatron_zb_cpu = True
     return model_parallel_cuda_manual_seed
