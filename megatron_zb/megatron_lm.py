@@ -328,6 +328,11 @@ def _cpu_worker(
     from . import megatron_lm_cpu
 
     torch.set_num_threads(threads)
+    # Under torchrun the ranks' DataLoader workers fork; here the ranks were spawned, and spawning
+    # workers cannot pickle Megatron-LM's local worker_init_fn (core_v0.19.0, --num-workers > 0).
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
     megatron_lm_cpu.enable()
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
