@@ -339,8 +339,31 @@ def _cpu_worker(
     try:
         pretrain_here(argv, metrics_file)
     except SystemExit as stop:
-        if stop.code not in (None, 0):
-            raise RuntimeError(f"Megatron-LM exited: {stop.code}") from None
+        problem = early_exit_problem(stop.code, argv)
+        if problem is not None:
+            raise RuntimeError(problem) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# Megatron-LM's train() ends with sys.exit() (status 0) when one of these was reached.
+EXIT_FLAGS = ("--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler")
+
+
+def early_exit_problem(code: object, argv: Sequence[str]) -> str | None:
+    """Why a ``sys.exit(code)`` inside ``pretrain()`` is a failure, or None when it was asked for.
+
+    Megatron-LM also exits with status 0 where it gives up: ``load_checkpoint`` on RNG state it
+    cannot restore prints "Unable to load rng state ... exiting" and calls ``sys.exit()``. Only the
+    exit conditions of its ``--exit-*`` flags end a run on purpose.
+    """
+    if code not in (None, 0):
+        return f"Megatron-LM exited: {code}"
+    given = {arg.split("=", 1)[0] for arg in argv}
+    if given & set(EXIT_FLAGS):
+        return None
+    return (
+        "Megatron-LM called sys.exit() before pretrain() returned, without any of "
+        f"{', '.join(EXIT_FLAGS)} on the command line: it gave up (its last message above says why)"
+    )

@@ -229,3 +229,14 @@ def test_megatron_lm_path_that_is_not_a_directory(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2
     assert f"--megatron-lm {tmp_path / 'nowhere'}: not a directory" in done.stderr
+
+
+def test_an_exit_inside_pretrain_is_a_failure_unless_an_exit_flag_asked_for_it() -> None:
+    from megatron_zb.megatron_lm import early_exit_problem
+
+    # load_checkpoint's "Unable to load rng state ... exiting ..." is sys.exit() with no status
+    assert "gave up (its last message above says why)" in early_exit_problem(None, ["--load", "ckpt"])
+    assert early_exit_problem(0, ["--train-iters", "10"]) is not None
+    assert early_exit_problem(None, ["--exit-interval", "5"]) is None
+    assert early_exit_problem(0, ["--exit-duration-in-mins=30"]) is None
+    assert early_exit_problem(3, ["--exit-interval", "5"]) == "Megatron-LM exited: 3"
