@@ -146,9 +146,9 @@ def run_rank(args: argparse.Namespace, device, gloo: bool, publish: Callable[[di
     status records (the launcher's store with ``--cpu``), or, with None, the rank logs its own.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from .megatron.install import configure, install
+    from .process_groups import destroy_model_parallel
     from .training.build import build, init_parallel
     from .training.loop import train
     from .training.watchdog import RankWatchdog
@@ -171,7 +171,7 @@ def run_rank(args: argparse.Namespace, device, gloo: bool, publish: Callable[[di
         watchdog.stop()
         return rows
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def _configure_logging() -> None:

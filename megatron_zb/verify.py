@@ -241,9 +241,9 @@ def _worker(rank: int, reference, theirs, port: int, path: list[str], folder: st
 def _run(args: argparse.Namespace, inject: int | None) -> dict:
     """Train one copy on this rank; its rows and, at the end, a checksum of every gradient it holds."""
     import torch
-    from megatron.core import parallel_state
 
     from .megatron.install import configure, install
+    from .process_groups import destroy_model_parallel
     from .training.build import build, init_parallel
     from .training.loop import train
 
@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace, inject: int | None) -> dict:
         rows = train(args, trainee)
         grads = {} if args.use_distributed_optimizer else _gradient_checksums(trainee)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     keep = ("iteration", "loss", "grad_norm", "bubble_rate")
     return {"rows": [{key: row.get(key) for key in keep} for row in rows], "grads": grads}
 

@@ -12,9 +12,11 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     global _current
     from megatron.core import parallel_state
 
+    from megatron_zb.process_groups import destroy_model_parallel
+
     if _current == (tp, pp) and parallel_state.model_parallel_is_initialized():
         return
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _current = (tp, pp)
 

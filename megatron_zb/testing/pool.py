@@ -5,6 +5,9 @@ runs every case in it: ``pool.run(fn, **kwargs)`` calls ``fn(**kwargs)`` on ever
 (``fn`` must be importable, e.g. a module-level function of the test file) and returns the
 per-rank results. A case that fails or hangs breaks the pool; the next ``run`` starts a
 fresh one, so one bad case cannot stall the rest of the module.
+
+``SharedPools`` keeps one pool per world size for a whole test session (tests/conftest.py):
+each module that asks for one gets it reset (``reset_worker``), as if freshly started.
 """
 
 from __future__ import annotations
@@ -128,3 +131,43 @@ class WorkerPool:
                 proc.kill()
                 proc.join()
         self._procs = []
+
+
+def reset_worker() -> None:
+    """Put a pooled worker back to its state after start-up, short of re-importing anything.
+
+    Destroys megatron-core's parallel state and every process group but the default one,
+    forgets ``testing.parallel``'s current sizes and puts megatron-core's schedules back.
+    """
+    from megatron_zb.process_groups import destroy_model_parallel
+
+    destroy_model_parallel()
+    parallel = sys.modules.get("megatron_zb.testing.parallel")
+    if parallel is not None:
+        parallel._current = None
+    install = sys.modules.get("megatron_zb.megatron.install")
+    if install is not None:
+        install.uninstall()
+        install._configured.clear()
+
+
+class SharedPools:
+    """One WorkerPool per world size, shared by the modules of a test session."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+
+    def get(self, world_size: int, timeout_s: float = 300.0) -> WorkerPool:
+        """The pool of ``world_size`` ranks, reset if it already ran cases (it starts on its first ``run``)."""
+        pool = self._pools.get(world_size)
+        if pool is None:
+            pool = self._pools[world_size] = WorkerPool(world_size)
+        elif pool._procs:
+            pool.run(reset_worker)
+        pool.timeout_s = timeout_s
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

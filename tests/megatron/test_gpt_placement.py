@@ -82,18 +82,17 @@ def test_config_takes_the_layout_and_checks_the_layer_count():
 
 # -- in the pool ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def _init_parallel(tp: int, pp: int, placement) -> None:
     from megatron.core import parallel_state
 
     from megatron_zb.megatron.gpt_model import embedding_ranks
+    from megatron_zb.process_groups import destroy_model_parallel
 
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -363,9 +362,10 @@ def run_with_default_embedding_group() -> str:
     """V with tied embeddings on megatron's default embedding group (first and last rank): refused."""
     from megatron.core import parallel_state
 
+    from megatron_zb.process_groups import destroy_model_parallel
     from megatron_zb.testing.toy_gpt import ToyGPT
 
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
         _build(ToyGPT(), v_shape(2), 1, True, False)

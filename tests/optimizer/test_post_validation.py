@@ -31,10 +31,8 @@ MODEL = (
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def state_of(trainee) -> list[torch.Tensor]:
@@ -109,7 +107,9 @@ def train(argv: str, inject_stage: int | None) -> dict:
         reports = [] if validation is None else [vars(report) for report in validation.reports]
         return {"states": states, "returned": returned, "reports": reports, "redone": runner.redone_prefixes}
     finally:
-        parallel_state.destroy_model_parallel()
+        from megatron_zb.process_groups import destroy_model_parallel
+
+        destroy_model_parallel()
 
 
 def relative_l2(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:

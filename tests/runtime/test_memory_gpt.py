@@ -8,10 +8,8 @@ from megatron_zb.testing.pool import WorkerPool
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def run_iterations(name: str, pp: int = 4, m: int = 8, iterations: int = 3) -> dict:

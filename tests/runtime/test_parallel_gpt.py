@@ -25,10 +25,8 @@ WITH_GRAD_SYNC_FUNC = "ddp-overlap+grad_sync_func"  # how Megatron-LM wires over
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def run_parallel(

@@ -23,10 +23,8 @@ WINDOW = (2, 3)
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def train_both(name: str, pp: int, m: int, heavy_block: int, memory_limit=None, costs_file=None) -> dict:

@@ -44,7 +44,9 @@ def megatron_on_cpu():
     yield
     linear_split.uninstall()
     torch.set_num_threads(threads)
-    parallel_state.destroy_model_parallel()
+    from megatron_zb.process_groups import destroy_model_parallel
+
+    destroy_model_parallel()
     dist.destroy_process_group()
 
 

@@ -27,10 +27,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 class Run:

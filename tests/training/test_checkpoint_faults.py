@@ -32,10 +32,8 @@ MODEL = (
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def snapshot(directory: Path) -> dict[str, str]:
@@ -227,12 +225,12 @@ def test_a_save_killed_at_any_step_leaves_the_previous_checkpoint(pool: WorkerPo
 # -- the launcher ------------------------------------------------------------------------------
 def launch(args) -> dict:
     """``run_rank`` on this rank: its loss rows, the CheckpointError it raised, and the warnings logged."""
-    from megatron.core import parallel_state
 
     from megatron_zb.pretrain_gpt import run_rank
+    from megatron_zb.process_groups import destroy_model_parallel
     from megatron_zb.training.checkpoint import CheckpointError
 
-    parallel_state.destroy_model_parallel()  # the API tests' parallel state
+    destroy_model_parallel()  # the API tests' parallel state
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())

@@ -111,10 +111,8 @@ def test_trace_refuses_what_it_cannot_show(tmp_path):
 
 # -- two gloo processes ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(2)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(2)
 
 
 def _attributes() -> dict:

@@ -89,10 +89,8 @@ def test_cli_refuses_before_starting_any_process() -> None:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(4)
 
 
 def train_case(args) -> dict[int, float]:

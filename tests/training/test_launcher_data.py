@@ -116,10 +116,8 @@ def write_dataset(folder: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(2)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(2)
 
 
 def train_case(args) -> dict:
@@ -182,7 +180,9 @@ def seeds_case(args) -> dict:
             "python": random.random(),
         }
     finally:
-        parallel_state.destroy_model_parallel()
+        from megatron_zb.process_groups import destroy_model_parallel
+
+        destroy_model_parallel()
 
 
 def test_each_pipeline_stage_seeds_as_megatron_lm(pool: WorkerPool) -> None:

@@ -109,10 +109,8 @@ def test_metrics_only_on_the_logging_rank(tmp_path):
 
 # -- collectives, in two gloo processes ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(2)
-    yield workers
-    workers.close()
+def pool(worker_pools) -> WorkerPool:
+    return worker_pools.get(2)
 
 
 def collectives() -> dict:
