@@ -205,7 +205,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     return ZeroBubbleSettings(
         schedule=name,
         memory_limit=memory_limit,
-        chunks=schedule.chunks if schedule.chunks > 1 else None,
+        chunks=chunks,  # as asked: an automatic choice re-planned at run time must pick the same family
         microbatches=microbatches,
         placement=schedule.placement,
         pad_layers=pad,

@@ -126,7 +126,9 @@ def test_user_guide_decision_table_matches_flags_and_simulator():
     for budget, schedule, flags, peak, bubble, bubble_ms in rows:
         name = schedule.strip("`")
         found = re.fullmatch(r"`([^`]*)`", flags)
-        args = add_args(argparse.ArgumentParser()).parse_args(shlex.split(found.group(1)) if found else [])
+        parser = add_args(argparse.ArgumentParser())
+        parser.add_argument("--virtual-pipeline-model-parallel-size", type=int)  # Megatron-LM's own flag
+        args = parser.parse_args(shlex.split(found.group(1)) if found else [])
         vars(args).update(DECISION_SETTING, data_parallel_size=1)
         settings = schedule_settings(args)
         chosen = settings.schedule if settings is not None else "1f1b"  # no flags: megatron-core's 1F1B

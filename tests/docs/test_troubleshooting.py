@@ -242,8 +242,8 @@ CASES = [
     ),
     ("argument --pipeline-schedule: invalid choice: 'zb-3p'", lambda _: train("--pipeline-schedule zb-3p")),
     (
-        "interleaved-1f1b needs microbatches to be a multiple of pp=4 (or at most pp), got 10",
-        lambda _: train("--pipeline-schedule interleaved-1f1b --global-batch-size 10"),
+        "zb-v runs two chunks per rank (the V), got --virtual-pipeline-model-parallel-size 3",
+        lambda _: train("--pipeline-schedule zb-v --virtual-pipeline-model-parallel-size 3"),
     ),
     (
         "zb-auto needs --zero-bubble-memory-limit >= 1",

@@ -8,7 +8,7 @@ from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.generators.greedy import ALL_SWITCHES, greedy_orders
 from megatron_zb.schedule.generators.v_family import block_schedule, v_half_offsets, v_min_offsets
 from megatron_zb.schedule.ir import ScheduleError
-from megatron_zb.schedule.placement import linear, v_shape
+from megatron_zb.schedule.placement import interleaved, linear, v_shape
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 from megatron_zb.schedule.simulate import simulate
 from megatron_zb.schedule.validate import validate
@@ -165,13 +165,18 @@ def test_auto_explains_when_nothing_fits():
 
 
 def test_searched_schedules_refuse_other_chunk_counts():
-    with pytest.raises(ScheduleError, match="zb-2p runs one chunk per rank, got --chunks 2"):
-        build("zb-2p", ScheduleSpec(4, 8, chunks=2))
+    assert build("zb-2p", ScheduleSpec(4, 8, chunks=2)).placement == interleaved(4, 2)
+    with pytest.raises(ScheduleError, match="zb-2p runs one chunk per rank, got --chunks 0"):
+        build("zb-2p", ScheduleSpec(4, 8, chunks=0))
     with pytest.raises(ScheduleError, match="zb-v runs two chunks per rank .the V., got --chunks 3"):
         build("zb-v", ScheduleSpec(4, 8, chunks=3))
 
 
-@pytest.mark.parametrize("placement", [linear, v_shape])
+def looping(chunks: int):
+    return lambda p: interleaved(p, chunks)
+
+
+@pytest.mark.parametrize("placement", [linear, v_shape, looping(2), looping(4)], ids=["linear", "v", "loop2", "loop4"])
 def test_list_scheduler_never_stalls_at_tight_limits(placement):
     # regression: p=4, m=2 on the V at limit 1 once waited forever with a W that would make room
     for p in range(2, 7):

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_zb.schedule.generators.interleaved import group_sizes
 from megatron_zb.schedule.ir import PassKind, ScheduleError
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 from megatron_zb.schedule.simulate import simulate
@@ -16,18 +17,18 @@ RULES = {
     "zb-h1": (lambda p, m, v: v == 1, lambda p, m, v: min(p, m), "runs one chunk per rank"),
     "zb-h2": (lambda p, m, v: v == 1, lambda p, m, v: min(2 * p - 1, m), "runs one chunk per rank"),
     "interleaved-1f1b": (
-        lambda p, m, v: v >= 2 and (m <= p or m % p == 0),
-        lambda p, m, v: min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v,
+        lambda p, m, v: v >= 2,
+        lambda p, m, v: min(2 * (p - 1) + (v - 1) * group_sizes(m, p)[0] + 1, m * v) / v,
         "needs",
     ),
-    "zb-auto": (lambda p, m, v: v == 1, lambda p, m, v: m, "runs one chunk per rank"),
-    "zb-1p": (lambda p, m, v: v == 1, lambda p, m, v: min(p, m), "runs one chunk per rank"),
-    "zb-2p": (lambda p, m, v: v == 1, lambda p, m, v: min(2 * p, m), "runs one chunk per rank"),
+    "zb-auto": (lambda p, m, v: True, lambda p, m, v: m, ""),  # --chunks v >= 2: the looping placement
+    "zb-1p": (lambda p, m, v: True, lambda p, m, v: min(p, m), ""),
+    "zb-2p": (lambda p, m, v: True, lambda p, m, v: min(2 * p, m), ""),
     "zb-v": (lambda p, m, v: v == 2, lambda p, m, v: min(p, m), "runs two chunks per rank"),
     "v-half": (lambda p, m, v: v == 2, lambda p, m, v: p / 2 + 1, "runs two chunks per rank"),
     "v-min": (lambda p, m, v: v == 2, lambda p, m, v: p / 3 + 1, "runs two chunks per rank"),
     "v-auto": (lambda p, m, v: v == 2, lambda p, m, v: m, "runs two chunks per rank"),
-    "auto": (lambda p, m, v: v <= 2 or m <= p or m % p == 0, lambda p, m, v: m, "no schedule can run"),
+    "auto": (lambda p, m, v: True, lambda p, m, v: m, ""),
 }
 SEARCHED = {"zb-auto", "zb-1p", "zb-2p", "zb-v", "v-half", "v-min", "v-auto", "auto"}  # slower: smaller sizes
 
@@ -59,13 +60,27 @@ def test_generated_schedules_are_valid_or_refused(name, p, m, v):
     assert 0 <= timeline.bubble_rate <= timeline.bubble_rate_makespan < 1
 
 
-def test_interleaved_refusal_says_what_would_work():
-    with pytest.raises(ScheduleError) as error:
-        build("interleaved-1f1b", ScheduleSpec(4, 10, 2))
-    assert str(error.value) == (
-        "interleaved-1f1b needs microbatches to be a multiple of pp=4 (or at most pp), got 10: "
-        "a short last group makes its warm-up deadlock; use 8 or 12, or 1f1b/zb-h1/zb-h2"
-    )
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_runs_any_microbatch_count(p: int, v: int) -> None:
+    """No short last group: every m validates; groups are pp when pp divides m, PyTorch's rounds otherwise."""
+    for m in range(1, 5 * p + 2):
+        build("interleaved-1f1b", ScheduleSpec(p, m, v))  # validated: no deadlock
+        groups = group_sizes(m, p)
+        assert sum(groups) == m and min(groups) >= min(m, p), (m, groups)
+        rounds = max(1, m // p)  # torch.distributed.pipelining.ScheduleInterleaved1F1B, when it accepts m
+        if m % rounds == 0:
+            assert groups == [m // rounds] * rounds, (m, groups)
+
+
+def test_interleaved_with_uneven_groups_warms_up_one_group_deep() -> None:
+    """p=4, m=6 (one group of 6, as PyTorch): rank 3 runs all chunk-0 forwards before its first backward."""
+    schedule = build("interleaved-1f1b", ScheduleSpec(4, 6, 2))
+    assert [str(x) for x in schedule.orders[3][:8]] == [
+        *(f"F s3 mb{mb}" for mb in range(6)),
+        "F s7 mb0",
+        "BW s7 mb0",
+    ]
     with pytest.raises(ScheduleError, match="needs --chunks >= 2, got 1; with one chunk use 1f1b"):
         build("interleaved-1f1b", ScheduleSpec(4, 8, 1))
 

@@ -11,7 +11,11 @@ choices; callers try all of them and keep the best schedule by simulated stage s
 Memory is admitted per microbatch: a rank's first F of a microbatch needs room left for one
 F on each of the rank's later chunks (the V turn). Without it a rank could fill up with
 early chunks while the F that lets the oldest microbatch turn has no room: a deadlock.
-With it the oldest microbatch can always advance, so the scheduler never stalls.
+On the V (the turn is local) that check suffices. On a looping placement with several chunks
+the room checked at admission can be taken by later admissions before the microbatch comes
+back; if the scheduler stalls there it runs again with the room held (``strict``): each
+admitted microbatch keeps its later chunks' F memory reserved until those Fs run, so the
+oldest microbatch can always advance and the scheduler never stalls.
 
 Every step either places a pass or moves a rank's clock to a known arrival, so the number of
 steps is linear in the number of passes (``step_bound``); a cost model that breaks this (NaN
@@ -91,12 +95,28 @@ def greedy_orders(
     switches: Switches = Switches(),
 ) -> Result:
     """Per-rank orders from the timed list scheduler; ``limit`` None means unlimited."""
-    return _Greedy(placement, costs, microbatches, limit, switches).run()
+    try:
+        return _Greedy(placement, costs, microbatches, limit, switches).run()
+    except Stalled:
+        return _Greedy(placement, costs, microbatches, limit, switches, strict=True).run()
+
+
+class Stalled(ScheduleError):
+    """The list scheduler could not place any pass: the memory admitted could not drain."""
 
 
 class _Greedy:
-    def __init__(self, placement: Placement, costs: CostModel, m: int, limit: float | None, switches: Switches):
+    def __init__(
+        self,
+        placement: Placement,
+        costs: CostModel,
+        m: int,
+        limit: float | None,
+        switches: Switches,
+        strict: bool = False,
+    ):
         pl, c = placement, placement.chunks
+        self.strict = strict
         self.m, self.sw, self.placement = m, switches, placement
         self.limit = float("inf") if limit is None else limit + EPS
         self.comm = costs.t_comm
@@ -114,6 +134,7 @@ class _Greedy:
         self.stages = [[s for s in range(n) if self.rank[s] == r] for r in range(p)]
         # memory a rank reserves when a microbatch enters it: its Fs on the rank's later chunks
         self.extra = [sum(self.df[s] for s in stages[1:]) for stages in self.stages]
+        self.reserved = [0.0] * p  # strict: later-chunk F memory of the microbatches admitted
         # decision times (what a rank knows) and as-soon-as-possible times of the resulting order
         self.f_end: list[list[float | None]] = [[None] * m for _ in range(n)]
         self.f_asap, self.b_asap = [[0.0] * m for _ in range(n)], [[0.0] * m for _ in range(n)]
@@ -146,8 +167,10 @@ class _Greedy:
         return end + (self.comm if self.rank[s + 1] != self.rank[s] else 0.0)
 
     def _f_fits(self, r: int, s: int) -> bool:
-        extra = self.extra[r] if s == self.stages[r][0] else 0.0
-        return self.mem[r] + self.df[s] + extra <= self.limit
+        first = s == self.stages[r][0]
+        if self.strict:
+            return not first or self.mem[r] + self.reserved[r] + self.df[s] + self.extra[r] <= self.limit
+        return self.mem[r] + self.df[s] + (self.extra[r] if first else 0.0) <= self.limit
 
     def run(self) -> Result:
         while True:
@@ -163,7 +186,7 @@ class _Greedy:
                 self._run_w(r, self.clock[r])
         if any(self.remaining):
             stuck = [r for r, left in enumerate(self.remaining) if left]
-            raise ScheduleError(f"the list scheduler stalled on ranks {stuck} (memory limit too tight for this layout)")
+            raise Stalled(f"the list scheduler stalled on ranks {stuck} (memory limit too tight for this layout)")
         firsts = [first for first in self.first if first is not None]
         span = max(end - first for end, first in zip(self.free, self.first, strict=True) if first is not None)
         return Result(self.orders, span, max(self.free) - min(firsts), max(self.peak))
@@ -260,6 +283,8 @@ class _Greedy:
         ready = self.f_asap[s - 1][k] + self._hop(s - 1, s) if s else 0.0
         self.f_asap[s][k] = self._asap(r, ready, self.tf[s])
         self.mem[r] += self.df[s]
+        if self.strict:
+            self.reserved[r] += self.extra[r] if s == self.stages[r][0] else -self.df[s]
         self.peak[r] = max(self.peak[r], self.mem[r])
         self.orders[r].append(F(s, k))
         self._done(r, end)
