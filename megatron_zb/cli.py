@@ -93,6 +93,13 @@ def _add_setting_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--mem-b", type=_numbers, help="freed by B, negative (default -0.5)")
     memory.add_argument("--mem-w", type=_numbers, help="freed by W, negative (default -0.5)")
     memory.add_argument("--memory-limit", type=_limit, help="per-rank activation memory limit, > 0 (default: none)")
+    parser.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="optimizer post-validation (Megatron's --enable-optimizer-post-validation), so iterations overlap: "
+        "auto picks by stage span instead of makespan; plan --iterations N >= 2 draws the iterations that way "
+        "(each rank steps once it has its gradients and the partial grad norm of the ranks before it)",
+    )
 
 
 def _add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -116,12 +123,6 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="simulate N iterations back to back and draw them all; with N >= 2, text and json also give the "
         "time per iteration with a synchronising optimizer step and with post-validation (default 1)",
-    )
-    several.add_argument(
-        "--post-validation",
-        action="store_true",
-        help="with --iterations N >= 2: draw the iterations with optimizer post-validation (each rank steps once "
-        "it has its gradients and the partial grad norm of the ranks before it) instead of a synchronising step",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--format", choices=FORMATS, default="text", help="default: text")
@@ -183,7 +184,15 @@ def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec
         {name: default if getattr(args, name) is None else getattr(args, name) for name, default in _MEMORY.items()}
     )
     costs = CostModel(args.pp, **{name.replace("cost_", "t_"): value for name, value in flags.items()})
-    return ScheduleSpec(args.pp, args.microbatches, args.chunks, costs, args.memory_limit, refine_seconds)
+    return ScheduleSpec(
+        args.pp,
+        args.microbatches,
+        args.chunks,
+        costs,
+        args.memory_limit,
+        refine_seconds,
+        getattr(args, "post_validation", False),
+    )
 
 
 def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleSpec:
@@ -211,7 +220,9 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
         args.schedule = args.schedule or measured.schedule
         if chunks is None and args.schedule == measured.schedule and measured.chunks != 1:
             chunks = measured.chunks
-    return ScheduleSpec(costs.pp, microbatches, chunks, costs, limit, refine_seconds)
+    return ScheduleSpec(
+        costs.pp, microbatches, chunks, costs, limit, refine_seconds, getattr(args, "post_validation", False)
+    )
 
 
 def plan_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
@@ -291,10 +302,10 @@ def _plot(comparison: Comparison, path: str) -> None:
 
 def run_plan(args: argparse.Namespace) -> None:
     if args.iterations == 1:
-        if args.post_validation:
+        if args.post_validation and not (args.schedule and get(args.schedule).composite):
             raise ScheduleError(
-                "--post-validation needs --iterations N with N >= 2: it changes only how one iteration hands "
-                "over to the next"
+                "--post-validation needs --iterations N with N >= 2 (or --schedule auto): it changes only how one "
+                "iteration hands over to the next, and which schedule auto picks"
             )
         text = render(plan_timeline(args), args.format, args.width, args.color)
     else:

@@ -196,8 +196,10 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     chunks = _virtual_chunks(args)
     microbatches = _microbatches(args)
     _refuse_unsupported_models(args)
+    post_validation = _post_validation(args)
     try:
-        schedule = build(name, ScheduleSpec(pp, microbatches, chunks, memory_limit=memory_limit))
+        spec = ScheduleSpec(pp, microbatches, chunks, memory_limit=memory_limit, post_validation=post_validation)
+        schedule = build(name, spec)
     except ScheduleError as error:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
     pad = bool(getattr(args, "allow_padding_num_layers", False))
@@ -211,7 +213,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         pad_layers=pad,
         timers=_replan_window(args),
         costs_file=getattr(args, "zero_bubble_save_costs", None),
-        post_validation=_post_validation(args),
+        post_validation=post_validation,
         post_validation_rollback=getattr(args, "optimizer_post_validation_rollback", "exact"),
         p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
     )

@@ -120,6 +120,7 @@ def runner_for(settings: ZeroBubbleSettings):
             timeout_s=settings.p2p_timeout_s,
             losses_to_last_rank=True,
             replan=window,
+            post_validation=settings.post_validation,
         )
     return _runners[settings]
 

@@ -45,7 +45,7 @@ class Groups:
 class ForwardBackward:
     """Runs ``schedule`` (a registered name) with megatron-core's forward_backward contract.
 
-    ``memory_limit``, ``costs`` and ``chunks`` are passed to the generator; ``timeout_s``
+    ``memory_limit``, ``costs``, ``chunks`` and ``post_validation`` are passed to the generator; ``timeout_s``
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
     ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
     computes the loss (V placements), because Megatron-LM reads and logs them only there.
@@ -66,12 +66,14 @@ class ForwardBackward:
         receive_lookahead: int | None = None,
         losses_to_last_rank: bool = False,
         replan: ReplanWindow | None = None,
+        post_validation: bool = False,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
         self.name = schedule
         self.memory_limit, self.costs, self.chunks = memory_limit, costs, chunks
         self.refine_seconds = refine_seconds
+        self.post_validation = post_validation
         self.timeout_s = timeout_s
         self.profiler = profiler
         self.receive_lookahead = receive_lookahead
@@ -90,7 +92,9 @@ class ForwardBackward:
         chunks = chunks if chunks is not None else self.chunks
         key = (pp, microbatches, chunks or 0)
         if key not in self._schedules:
-            spec = ScheduleSpec(pp, microbatches, chunks, self.costs, self.memory_limit, self.refine_seconds)
+            spec = ScheduleSpec(
+                pp, microbatches, chunks, self.costs, self.memory_limit, self.refine_seconds, self.post_validation
+            )
             schedule = build(self.name, spec) if not self._broadcasts() or dist.get_rank() == 0 else None
             if self._broadcasts():
                 schedule = _broadcast_schedule(schedule)
@@ -175,7 +179,8 @@ class ForwardBackward:
 
         def plan(costs: CostModel) -> Schedule:
             m, limit = schedule.microbatches, self.memory_limit
-            return build(self.name, ScheduleSpec(schedule.pp, m, chunks, costs, limit, self.refine_seconds))
+            spec = ScheduleSpec(schedule.pp, m, chunks, costs, limit, self.refine_seconds, self.post_validation)
+            return build(self.name, spec)
 
         chosen, self.costs = self.replanner.replan(
             schedule, self.costs, plan, pipeline, shape, dtype, self.memory_limit

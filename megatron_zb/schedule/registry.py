@@ -26,6 +26,8 @@ class ScheduleSpec:
     costs: CostModel | None = None
     memory_limit: float | None = None  # per rank; None: unlimited
     refine_seconds: float = 0.0  # automatic schedules: time for the optional solver refinement
+    # iterations overlap (optimizer post-validation): ``auto`` ranks by stage span, else by makespan
+    post_validation: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_limit is not None and not (math.isfinite(self.memory_limit) and self.memory_limit > 0):

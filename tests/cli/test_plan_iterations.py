@@ -73,3 +73,16 @@ def test_post_validation_needs_two_iterations(capsys):
         code, out, err = run(capsys, *PLAN, "--post-validation", *extra)
         assert code == 2 and out == ""
         assert err.startswith("megatron-zb plan: error: --post-validation needs --iterations N with N >= 2")
+
+
+def test_post_validation_picks_auto_by_stage_span(capsys):
+    """One iteration is enough for auto: the flag changes what it ranks by (zb-v by makespan, zb-2p by span)."""
+    setting = ["plan", "--schedule", "auto", "--pp", "4", "-m", "12", "--memory-limit", "12", "--format", "json"]
+    setting += ["--cost-f", "1.2,1,1,1.2", "--cost-b", "1.32,1.1,1.1,1.32", "--cost-w", "0.84,0.7,0.7,0.84"]
+    setting += ["--cost-comm", "0.05"]
+    picked = {}
+    for extra in ([], ["--post-validation"]):
+        code, out, _ = run(capsys, *setting, *extra)
+        assert code == 0
+        picked[bool(extra)] = json.loads(out)["schedule"]
+    assert picked == {False: "auto (zb-v)", True: "auto (zb-2p)"}

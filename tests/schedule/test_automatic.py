@@ -187,3 +187,24 @@ def test_list_scheduler_never_stalls_at_tight_limits(placement):
                     result = greedy_orders(placement(p), costs, m, limit, setting)
                     assert result.peak <= limit + 1e-9
                     assert sum(map(len, result.orders)) == 3 * m * p * placement(p).chunks
+
+
+@pytest.mark.parametrize("post_validation", [False, True])
+def test_auto_ranks_by_what_sets_the_iteration_time(post_validation):
+    """Makespan when the optimizer ends every iteration; stage span when iterations overlap (post-validation)."""
+    costs = CostModel(4, t_f=[1.2, 1, 1, 1.2], t_b=[1.32, 1.1, 1.1, 1.32], t_w=[0.84, 0.7, 0.7, 0.84], t_comm=0.05)
+    spec = ScheduleSpec(4, 12, costs=costs, memory_limit=12, post_validation=post_validation)
+    chosen = build("auto", spec)
+    assert chosen.name == ("auto (zb-2p)" if post_validation else "auto (zb-v)")
+    found = simulate(chosen, costs)
+    for name in names():
+        if name == "auto":
+            continue
+        try:
+            other = simulate(build(name, spec, suggest=False), costs)
+        except ScheduleError:
+            continue
+        if post_validation:
+            assert found.stage_span <= other.stage_span + 1e-9, name
+        else:
+            assert found.makespan <= other.makespan + 1e-9, name
