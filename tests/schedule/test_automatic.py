@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedule.costs import CostModel
+from megatron_zb.schedule.generators.auto import messages
 from megatron_zb.schedule.generators.greedy import ALL_SWITCHES, greedy_orders
 from megatron_zb.schedule.generators.v_family import block_schedule, v_half_offsets, v_min_offsets
 from megatron_zb.schedule.ir import ScheduleError
@@ -91,12 +92,13 @@ def test_zb_auto_is_never_worse_than_zb_h1_and_zb_h2_at_their_memory(p, m, t_b, 
         assert auto.stage_span <= timeline(handmade, p, m, costs).stage_span + 1e-9
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(**gpt_setting, low=st.integers(4, 28), more=st.integers(1, 12))
 def test_v_auto_bubble_never_grows_with_the_limit(p, m, t_b, ratio, comm, low, more):
     costs = gpt_costs(p, t_b, ratio, comm)
-    smaller, larger = low / 4, (low + more) / 4  # limits on the memory quantum (a quarter stage)
-    assert timeline("v-auto", p, m, costs, larger).bubble_rate <= timeline("v-auto", p, m, costs, smaller).bubble_rate
+    smaller, larger = low / 4, (low + more) / 4  # limits on the ladder's quarter-stage grid
+    larger_span = timeline("v-auto", p, m, costs, larger).stage_span
+    assert larger_span <= timeline("v-auto", p, m, costs, smaller).stage_span * (1 + 1e-12)
 
 
 def test_v_auto_spans_v_min_to_zb_v():
@@ -195,8 +197,8 @@ def test_auto_ranks_by_what_sets_the_iteration_time(post_validation):
     costs = CostModel(4, t_f=[1.2, 1, 1, 1.2], t_b=[1.32, 1.1, 1.1, 1.32], t_w=[0.84, 0.7, 0.7, 0.84], t_comm=0.05)
     spec = ScheduleSpec(4, 12, costs=costs, memory_limit=12, post_validation=post_validation)
     chosen = build("auto", spec)
-    assert chosen.name == ("auto (zb-2p)" if post_validation else "auto (zb-v)")
     found = simulate(chosen, costs)
+    best = []
     for name in names():
         if name == "auto":
             continue
@@ -204,7 +206,11 @@ def test_auto_ranks_by_what_sets_the_iteration_time(post_validation):
             other = simulate(build(name, spec, suggest=False), costs)
         except ScheduleError:
             continue
+        key = (other.stage_span, other.makespan) if post_validation else (other.makespan, other.stage_span)
+        peak = round(max(other.peak_memory), 9)
+        best.append((round(key[0], 9), round(key[1], 9), peak, messages(other.schedule), name.endswith("-auto"), name))
         if post_validation:
             assert found.stage_span <= other.stage_span + 1e-9, name
         else:
             assert found.makespan <= other.makespan + 1e-9, name
+    assert chosen.name == f"auto ({min(best)[5]})"

@@ -3,6 +3,8 @@
 Best means what sets the iteration time: the shortest makespan when an optimizer
 synchronisation ends every iteration (then stage span, then peak memory); with optimizer
 post-validation (``spec.post_validation``) iterations overlap and the stage span comes first.
+On a full tie the schedule with fewer cross-rank messages goes first (linear, then V, then
+interleaved), then a named family (zb-v, zb-2p, ...) before v-auto and zb-auto, which search over it.
 Families that cannot run the setting
 (chunks, microbatch counts, the limit) are skipped; if none fits, the error lists what each
 needs.
@@ -16,6 +18,14 @@ from ..ir import Schedule, ScheduleError
 from ..registry import ScheduleSpec, build, get, names, register
 from ..simulate import simulate
 from .search import score
+
+
+def messages(schedule: Schedule) -> int:
+    """Cross-rank transfers per iteration: an activation and a gradient per microbatch and rank boundary."""
+    crossings = 0
+    for placement in schedule.placements:
+        crossings += sum(placement.rank_of(s) != placement.rank_of(s + 1) for s in range(placement.num_stages - 1))
+    return 2 * crossings * schedule.microbatches
 
 
 @register(
@@ -37,6 +47,9 @@ def generate(spec: ScheduleSpec) -> Schedule:
         candidate = score(simulate(schedule, costs))
         if not spec.post_validation:
             candidate = (candidate[1], candidate[0], candidate[2])
+        # on a tie: fewer messages, then the named family over the searches that include it
+        # (v-auto holds zb-v, zb-auto holds zb-2p)
+        candidate = (*candidate, messages(schedule), name.endswith("-auto"))
         if best_score is None or candidate < best_score:
             best, best_score = schedule, candidate
     if best is None:

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..costs import CostModel
-from ..ir import B, F, Pass, ScheduleError, W
+from ..ir import ScheduleError
 from ..placement import Placement
+from .result import B_CODE, F_CODE, W_CODE, Result
 
 EPS = 1e-9
 
@@ -72,19 +73,6 @@ def min_memory_limit(placement: Placement, costs: CostModel) -> float:
 def check_memory_costs(name: str, costs: CostModel) -> None:
     if any(v > 0 for v in (*costs.mem_b, *costs.mem_w)):
         raise ScheduleError(f"{name} assumes B and W release memory: --mem-b and --mem-w must be <= 0")
-
-
-@dataclass(frozen=True)
-class Result:
-    """Per-rank orders with their simulated stage span, makespan and peak memory."""
-
-    orders: list[list[Pass]]
-    stage_span: float
-    makespan: float
-    peak: float
-
-    def score(self) -> tuple[float, float, float]:
-        return (round(self.stage_span, 9), round(self.makespan, 9), round(self.peak, 9))
 
 
 def greedy_orders(
@@ -144,7 +132,8 @@ class _Greedy:
         self.f_next, self.b_next = [0] * n, [0] * n
         self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
         self.mem, self.clock = [0.0] * p, [0.0] * p
-        self.orders: list[list[Pass]] = [[] for _ in range(p)]
+        self.orders: list[list[int]] = [[] for _ in range(p)]  # encoded passes (result.py)
+        self.code = {kind: kind * n * m for kind in (F_CODE, B_CODE, W_CODE)}
         self.remaining = [3 * m * len(stages) for stages in self.stages]
         self.sleeping = [False] * p
         self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
@@ -189,7 +178,7 @@ class _Greedy:
             raise Stalled(f"the list scheduler stalled on ranks {stuck} (memory limit too tight for this layout)")
         firsts = [first for first in self.first if first is not None]
         span = max(end - first for end, first in zip(self.free, self.first, strict=True) if first is not None)
-        return Result(self.orders, span, max(self.free) - min(firsts), max(self.peak))
+        return Result(self.orders, self.n, self.m, span, max(self.free) - min(firsts), max(self.peak))
 
     def _count_step(self) -> None:
         self.steps_left -= 1
@@ -286,7 +275,7 @@ class _Greedy:
         if self.strict:
             self.reserved[r] += self.extra[r] if s == self.stages[r][0] else -self.df[s]
         self.peak[r] = max(self.peak[r], self.mem[r])
-        self.orders[r].append(F(s, k))
+        self.orders[r].append(self.code[F_CODE] + s * self.m + k)
         self._done(r, end)
         if s + 1 < self.n:
             self._wake(self.rank[s + 1])
@@ -299,7 +288,7 @@ class _Greedy:
         self.b_asap[s][k] = self._asap(r, ready, self.tb[s])
         self.mem[r] += self.db[s]
         self.pending[r].append((s, k))
-        self.orders[r].append(B(s, k))
+        self.orders[r].append(self.code[B_CODE] + s * self.m + k)
         self._done(r, end)
         if s > 0:
             self._wake(self.rank[s - 1])
@@ -307,7 +296,7 @@ class _Greedy:
     def _run_w(self, r: int, t: float) -> None:
         s, k = self.pending[r].popleft()
         self.mem[r] += self.dw[s]
-        self.orders[r].append(W(s, k))
+        self.orders[r].append(self.code[W_CODE] + s * self.m + k)
         self._asap(r, self.b_asap[s][k], self.tw[s])
         self._done(r, t + self.tw[s])
 

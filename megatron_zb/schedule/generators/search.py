@@ -1,26 +1,162 @@
-"""Pick the best of several candidate orders by simulated stage span (then makespan, then memory)."""
+"""Pick the best of several candidate orders by stage span (then makespan, then peak memory).
+
+A candidate is either a *planner*, a heuristic that plans any number of microbatches (the
+list scheduler with one switch setting, a round heuristic), or a *seed*, a fixed order (the
+handmade and PyTorch-style schedules, the V building blocks). Planners are ranked on a sample
+of the microbatches when planning all of them for every candidate would be slow; the best
+ones are then planned for all. Seeds are timed on all microbatches and kept when they fit the
+memory limit, so the result is never worse than any of them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from ..costs import CostModel
 from ..ir import Pass, Schedule, ScheduleError
 from ..placement import Placement
 from ..registry import ScheduleSpec
-from ..simulate import Timeline, simulate
+from ..simulate import Timeline
 from .greedy import ALL_SWITCHES, Switches, check_memory_costs, greedy_orders, min_memory_limit
+from .result import Result
+from .timing import timed
 
 EPS = 1e-9
+Planner = Callable[[int], Result]  # plans m microbatches; raises ScheduleError when it cannot
+EVAL_PASSES = 12_000  # above this many passes, planners are ranked on fewer microbatches
+CONFIRM = 2  # planners planned for all microbatches after ranking on a sample (distinct sample scores)
 
 
 def score(timeline: Timeline) -> tuple[float, float, float]:
     return (round(timeline.stage_span, 9), round(timeline.makespan, 9), round(max(timeline.peak_memory), 9))
 
 
-def lower_bound(costs: CostModel) -> float:
-    """No stage span is shorter than the busiest rank's work (one stage's worth per microbatch)."""
-    return max(costs.work_per_microbatch(stage) for stage in range(costs.pp))
+def lower_bound(costs: CostModel, placement: Placement | None = None) -> float:
+    """No stage span is shorter than the busiest rank's work per microbatch."""
+    if placement is None:
+        return max(costs.work_per_microbatch(stage) for stage in range(costs.pp))
+    work = [0.0] * placement.pp
+    for block, (rank, _) in enumerate(placement.blocks):
+        work[rank] += costs.work_per_microbatch(placement.full_stage(block)) / placement.chunks
+    return max(work)
+
+
+def check_limit(name: str, spec: ScheduleSpec, placement: Placement, limit: float | None) -> CostModel:
+    costs = spec.cost_model()
+    check_memory_costs(name, costs)
+    need = min_memory_limit(placement, costs)
+    if limit is not None and limit < need - EPS:
+        raise ScheduleError(
+            f"{name} needs --memory-limit >= {need:g} (one microbatch's activations on every chunk of a rank) "
+            f"for pp={spec.pp}, got {limit:g}"
+        )
+    return costs
+
+
+def uniform(costs: CostModel) -> bool:
+    """Every stage has the same times and memory."""
+    return all(
+        len(set(values)) == 1 for values in (costs.t_f, costs.t_b, costs.t_w, costs.mem_f, costs.mem_b, costs.mem_w)
+    )
+
+
+def greedy_planners(
+    placement: Placement, costs: CostModel, limit: float | None, switches: Iterable[Switches] = ALL_SWITCHES
+) -> list[Planner]:
+    """The list scheduler with each switch setting (the chunk order only matters with several chunks)."""
+    return [
+        (lambda m, s=setting: greedy_orders(placement, costs, m, limit, s))
+        for setting in switches
+        if placement.chunks > 1 or setting.depth_first
+    ]
+
+
+def eval_microbatches(m: int, placement: Placement) -> int:
+    """How many microbatches planners are ranked on: all of them unless that is slow."""
+    if 3 * m * placement.num_stages <= EVAL_PASSES:
+        return m
+    return min(m, max(2 * placement.pp, EVAL_PASSES // (3 * placement.num_stages)))
+
+
+def best_plan(
+    planners: Sequence[Planner], placement: Placement, costs: CostModel, m: int, limit: float | None
+) -> Result | None:
+    """The best planner's orders for m microbatches (None if none can plan them)."""
+    floor = round(m * lower_bound(costs, placement), 9)
+    m_eval = eval_microbatches(m, placement)
+    ranked: list[tuple[tuple[float, float, float], int]] = []
+    best: Result | None = None
+    for index, planner in enumerate(planners):
+        try:
+            result = planner(m_eval)
+        except ScheduleError:
+            continue
+        if m_eval == m:
+            best = _better(best, result, limit)
+            if best is not None and best.score()[0] <= floor:
+                return best
+        else:
+            ranked.append((result.score(), index))
+    confirmed: set[tuple[float, float, float]] = set()
+    for ranked_score, index in sorted(ranked):
+        if len(confirmed) == CONFIRM:
+            break
+        if ranked_score in confirmed:
+            continue  # ties on the sample are usually the same orders: plan one of them
+        confirmed.add(ranked_score)
+        try:
+            best = _better(best, planners[index](m), limit)
+        except ScheduleError:
+            continue
+    return best
+
+
+def _better(best: Result | None, result: Result, limit: float | None) -> Result | None:
+    if limit is not None and result.peak > limit + EPS:
+        return best
+    return result if best is None or result.score() < best.score() else best
+
+
+def with_seeds(
+    best: Result | None,
+    seeds: Iterable[Schedule | Result],
+    placement: Placement,
+    costs: CostModel,
+    limit: float | None,
+) -> Result | None:
+    """The best of ``best`` and the seeds that fit the limit (one-pipe schedules on ``placement``, or timed orders)."""
+    for seed in seeds:
+        result = seed if isinstance(seed, Result) else timed(seed.orders, placement, costs, seed.microbatches)
+        if result is not None:
+            best = _better(best, result, limit)
+    return best
+
+
+def search(
+    name: str,
+    spec: ScheduleSpec,
+    placement: Placement,
+    limit: float | None,
+    seeds: Iterable[Schedule | Result] = (),
+    planners: Sequence[Planner] = (),
+    switches: Iterable[Switches] = ALL_SWITCHES,
+    lean: bool = False,
+) -> Result:
+    """The best of ``planners``, the list scheduler with ``switches`` and ``seeds``.
+
+    ``lean``: on large settings with the same costs on every stage, leave the list scheduler
+    out. It never beat the round heuristics and the squeezed blocks there on our grid (it does
+    with unequal stages), and it is the slow part of planning.
+    """
+    costs = check_limit(name, spec, placement, limit)
+    every = list(planners)
+    large = eval_microbatches(spec.microbatches, placement) < spec.microbatches
+    if not (lean and large and uniform(costs)):
+        every += greedy_planners(placement, costs, limit, switches)
+    best = with_seeds(best_plan(every, placement, costs, spec.microbatches, limit), seeds, placement, costs, limit)
+    if best is None:
+        raise ScheduleError(f"{name}: no heuristic could plan pp={spec.pp}, microbatches={spec.microbatches}")
+    return best
 
 
 def searched(
@@ -28,113 +164,27 @@ def searched(
     spec: ScheduleSpec,
     placement: Placement,
     limit: float | None,
-    seeds: Iterable[Schedule] = (),
+    seeds: Iterable[Schedule | Result] = (),
+    planners: Sequence[Planner] = (),
     switches: Iterable[Switches] = ALL_SWITCHES,
+    lean: bool = False,
 ) -> Schedule:
-    """The list scheduler over every switch setting, plus ``seeds``; refined by the solver if asked.
+    """``search`` as a schedule, refined by the solver if asked."""
+    best = search(name, spec, placement, limit, seeds, planners, switches, lean)
+    return finish(name, spec, placement, spec.cost_model(), limit, best.orders)
 
-    Large settings rank the switches on 3pp microbatches, which cover warm-up, steady state
-    and cool-down; the winner is then planned for all m.
-    """
-    costs = spec.cost_model()
-    check_memory_costs(name, costs)
-    need = min_memory_limit(placement, costs)
-    if limit is not None and limit < need - EPS:
-        raise ScheduleError(
-            f"{name} needs --memory-limit >= {need:g} (one microbatch's activations on every chunk of a rank) "
-            f"for pp={spec.pp}, got {limit:g}"
-        )
-    m, m_eval = spec.microbatches, eval_microbatches(spec, placement)
-    target = round(m_eval * lower_bound(costs), 9)
-    ranked: list[tuple[tuple[float, float, float], Switches]] = []
-    best = None
-    for setting in switches:
-        if placement.chunks == 1 and not setting.depth_first:
-            continue  # the chunk order does not matter with one chunk
-        ranked.append((greedy_orders(placement, costs, m_eval, limit, setting).score(), setting))
-        if ranked[-1][0][0] <= target:  # optimal on the sample: confirm on all microbatches
-            result = greedy_orders(placement, costs, m, limit, setting)
-            best = (result.score(), _schedule(name, placement, m, result.orders))
-            if best[0][0] <= round(m * lower_bound(costs), 9):
-                break
-    if best is None or best[0][0] > round(m * lower_bound(costs), 9):
-        setting = min(ranked, key=lambda item: item[0])[1]
-        result = greedy_orders(placement, costs, m, limit, setting)
-        if best is None or result.score() < best[0]:
-            best = (result.score(), _schedule(name, placement, m, result.orders))
-    optimal = best[0][0] <= round(m * lower_bound(costs), 9)
-    for seed in () if optimal else seeds:
-        timeline = simulate(seed, costs)
-        if (limit is None or max(timeline.peak_memory) <= limit + EPS) and score(timeline) < best[0]:
-            best = (score(timeline), Schedule(name, seed.placements, seed.microbatches, seed.orders))
-    best = best[1]
+
+def finish(
+    name: str,
+    spec: ScheduleSpec,
+    placement: Placement,
+    costs: CostModel,
+    limit: float | None,
+    orders: Sequence[Sequence[Pass]],
+) -> Schedule:
+    schedule = Schedule(name, (placement,), spec.microbatches, tuple(tuple(order) for order in orders))
     if spec.refine_seconds > 0:
         from ..refine import refine
 
-        best = refine(best, costs, limit, spec.refine_seconds)
-    return best
-
-
-LADDER_SWITCHES = (Switches(prefer_b=True), Switches(prefer_b=False))
-LADDER_BUDGET = 320_000  # passes the ladder may schedule; bounds planning time at large pp and m
-EVAL_PASSES = 30_000  # larger settings rank candidates on 3 * pp microbatches (the steady state repeats)
-
-
-def eval_microbatches(spec: ScheduleSpec, placement: Placement) -> int:
-    """How many microbatches candidates are ranked on: all of them unless that is slow."""
-    if 3 * spec.microbatches * placement.num_stages <= EVAL_PASSES:
-        return spec.microbatches
-    return min(spec.microbatches, 3 * spec.pp)
-
-
-def laddered(
-    name: str, spec: ScheduleSpec, placement: Placement, limit: float | None, seeds: Iterable[Schedule] = ()
-) -> Schedule:
-    """Best schedule over a fixed ladder of memory caps at or below ``limit``.
-
-    The ladder depends on the setting, never on ``limit``, so a larger limit only adds
-    candidates: the stage span can only shrink as the limit grows. List scheduling alone
-    has no such guarantee (more room for warm-up forwards can delay a B). Steps are the
-    memory quantum (the smallest per-chunk delta, exact for uniform deltas) unless the
-    budget asks for fewer points. Large settings rank candidates on 3pp microbatches, then
-    plan the winner for all of them.
-    """
-    costs = spec.cost_model()
-    check_memory_costs(name, costs)
-    need = min_memory_limit(placement, costs)
-    if limit is not None and limit < need - EPS:
-        raise ScheduleError(
-            f"{name} needs --memory-limit >= {need:g} (one microbatch's activations on every chunk of a rank) "
-            f"for pp={spec.pp}, got {limit:g}"
-        )
-    m_eval = eval_microbatches(spec, placement)
-    unlimited = greedy_orders(placement, costs, m_eval, None)
-    quantum = min(abs(d) / placement.chunks for d in (*costs.mem_f, *costs.mem_b, *costs.mem_w) if d)
-    fine = int((unlimited.peak - need) / quantum + EPS) + 1
-    passes = 3 * m_eval * placement.num_stages
-    points = max(2, LADDER_BUDGET // (passes * len(LADDER_SWITCHES)))
-    step = quantum * -(-fine // points)
-    ranked: list[tuple[tuple[float, float, float], float | None, Switches]] = []
-    if limit is None or unlimited.peak <= limit + EPS:
-        ranked.append((unlimited.score(), None, Switches()))
-    cap = need
-    while cap <= min(limit if limit is not None else unlimited.peak, unlimited.peak) + EPS:
-        for setting in LADDER_SWITCHES:
-            ranked.append((greedy_orders(placement, costs, m_eval, cap, setting).score(), cap, setting))
-        cap += step
-    _, cap, setting = min(ranked, key=lambda item: item[0])
-    result = greedy_orders(placement, costs, spec.microbatches, cap, setting)
-    best, best_score = _schedule(name, placement, spec.microbatches, result.orders), result.score()
-    for seed in seeds:
-        timeline = simulate(seed, costs)
-        if (limit is None or max(timeline.peak_memory) <= limit + EPS) and score(timeline) < best_score:
-            best, best_score = Schedule(name, seed.placements, seed.microbatches, seed.orders), score(timeline)
-    if spec.refine_seconds > 0:
-        from ..refine import refine
-
-        best = refine(best, costs, limit, spec.refine_seconds)
-    return best
-
-
-def _schedule(name: str, placement: Placement, m: int, orders: list[list[Pass]]) -> Schedule:
-    return Schedule(name, (placement,), m, tuple(tuple(order) for order in orders))
+        schedule = refine(schedule, costs, limit, spec.refine_seconds)
+    return schedule

@@ -1,4 +1,4 @@
-"""The V-shape family (controllable-memory paper): zb-v, v-half, v-min and v-auto.
+"""The V-shape family (controllable-memory paper): zb-v, v-half and v-min (v-auto: v_auto.py).
 
 All run on the V placement (rank r holds blocks r and 2pp-1-r, each half a stage), so every
 rank holds one early and one late block and memory is balanced across ranks.
@@ -7,21 +7,27 @@ rank holds one early and one late block and memory is balanced across ranks.
   rank i come from the paper (below); each W goes in the first free slot after its B. The
   block's lifespan bounds peak memory at about a third (v-min) or half (v-half) of 1f1b's.
   Sorting the slots gives the per-rank order; running it as soon as possible squeezes out
-  the empty slots. With real costs the list scheduler, capped at the block's peak, may find
-  a shorter order, and the better of the two is kept.
-- v-auto runs the list scheduler on the V placement under a ladder of limits up to
-  --memory-limit (see search.laddered), so more memory never gives a worse schedule.
-- zb-v is v-auto at 1f1b's peak memory: about zero bubble for m >= 2pp.
+  the empty slots. The block squeezed in warm-up and cool-down (v_squeeze.py) and the list
+  scheduler, capped at the block's peak, join as candidates; the best is kept.
+- zb-v plans at 1f1b's peak memory with the round heuristic of the ZB paper's ZB-V
+  (zbv_rounds.py) and the list scheduler, seeded with the PyTorch-style ZB-V order: about
+  zero bubble for m >= 2pp.
 """
 
 from __future__ import annotations
 
+from ..costs import CostModel
 from ..ir import B, F, Pass, Schedule, ScheduleError, W
 from ..placement import v_shape
 from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
 from .greedy import ALL_SWITCHES
-from .search import laddered, searched
+from .result import Result
+from .search import Planner, finish, search
+from .timing import timed
+from .torch_style import zbv_orders
+from .v_squeeze import squeezed_orders
+from .zbv_rounds import V_ROUND_SWITCHES, v_round_orders
 
 SLOTS = 6  # one F, B and W on each of the two chunks
 V_SWITCHES = tuple(s for s in ALL_SWITCHES if s.depth_first)  # breadth-first never won on the V
@@ -70,27 +76,70 @@ def _next_free(after: int, used: set[int]) -> int:
     return slot
 
 
-def _v_spec(name: str, spec: ScheduleSpec) -> None:
+def v_spec(name: str, spec: ScheduleSpec) -> None:
     if spec.chunks not in (None, 2):
         raise ScheduleError(f"{name} runs two chunks per rank (the V), got --chunks {spec.chunks}")
 
 
-def block_schedule(name: str, spec: ScheduleSpec, offsets) -> Schedule:
-    orders = block_orders(spec.pp, spec.microbatches, offsets)
+def _v_schedule(name: str, spec: ScheduleSpec, orders: list[list[Pass]]) -> Schedule:
     return Schedule(name, (v_shape(spec.pp),), spec.microbatches, tuple(map(tuple, orders)))
 
 
+def block_schedule(name: str, spec: ScheduleSpec, offsets) -> Schedule:
+    return _v_schedule(name, spec, block_orders(spec.pp, spec.microbatches, offsets))
+
+
+def block_peak(spec: ScheduleSpec, offsets) -> float:
+    """Peak memory of the plain building block: the limit v-half and v-min keep."""
+    block = block_schedule("block", spec, offsets)
+    return max(max((0.0, *levels)) for levels in memory_levels(block, spec.cost_model()))
+
+
+def block_results(spec: ScheduleSpec, offsets) -> list[Result]:
+    """The plain building block and the squeezed one, timed (the squeezed one may peak above the block)."""
+    p, m, costs = spec.pp, spec.microbatches, spec.cost_model()
+    found = []
+    for orders in (block_orders(p, m, offsets), squeezed_orders(p, m, offsets)):
+        result = timed(orders, v_shape(p), costs, m)
+        if result is not None:
+            found.append(result)
+    return found
+
+
+def building_block_plan(name: str, spec: ScheduleSpec, offsets) -> tuple[Result, list[Result]]:
+    """The best order within the block's peak, and the block's own candidates (for v-auto)."""
+    v_spec(name, spec)
+    candidates = block_results(spec, offsets)
+    limit = block_peak(spec, offsets)
+    best = search(name, spec, v_shape(spec.pp), limit, seeds=candidates, switches=V_SWITCHES, lean=True)
+    return best, candidates
+
+
 def building_block(name: str, spec: ScheduleSpec, offsets) -> Schedule:
-    _v_spec(name, spec)
-    block = block_schedule(name, spec, offsets)
-    peak = max(max((0.0, *levels)) for levels in memory_levels(block, spec.cost_model()))
-    return searched(name, spec, block.placement, peak, seeds=[block], switches=V_SWITCHES)
+    best, _ = building_block_plan(name, spec, offsets)
+    return finish(name, spec, v_shape(spec.pp), spec.cost_model(), block_peak(spec, offsets), best.orders)
 
 
 def one_f_one_b_peak(spec: ScheduleSpec) -> float:
     """1f1b's peak: rank r holds min(pp-r, m) microbatches of its stage."""
     mem_f = spec.cost_model().mem_f
     return max(min(spec.pp - r, spec.microbatches) * mem_f[r] for r in range(spec.pp))
+
+
+def v_round_planners(costs: CostModel, limit: float | None) -> list[Planner]:
+    return [(lambda m, s=setting: v_round_orders(costs, m, limit, s)) for setting in V_ROUND_SWITCHES]
+
+
+def zbv_seed(name: str, spec: ScheduleSpec) -> Schedule:
+    """The PyTorch-style ZB-V order (fixed W places)."""
+    return _v_schedule(name, spec, zbv_orders(spec.pp, spec.microbatches))
+
+
+def zb_v_plan(spec: ScheduleSpec) -> Result:
+    v_spec("zb-v", spec)
+    limit = one_f_one_b_peak(spec)
+    planners = v_round_planners(spec.cost_model(), limit)
+    return search("zb-v", spec, v_shape(spec.pp), limit, [zbv_seed("zb-v", spec)], planners, V_SWITCHES, lean=True)
 
 
 @register("v-min", "V-shape building block at about a third of 1f1b's memory (pp/3+1 stages)")
@@ -103,15 +152,7 @@ def generate_v_half(spec: ScheduleSpec) -> Schedule:
     return building_block("v-half", spec, v_half_offsets)
 
 
-@register("v-auto", "V-shape list schedule under --memory-limit (any limit from v-min's to zb-v's)")
-def generate_v_auto(spec: ScheduleSpec) -> Schedule:
-    _v_spec("v-auto", spec)
-    placement = v_shape(spec.pp)
-    seeds = [block_schedule("v-auto", spec, offsets) for offsets in (v_min_offsets, v_half_offsets)]
-    return laddered("v-auto", spec, placement, spec.memory_limit, seeds)
-
-
 @register("zb-v", "zero bubble V: 1f1b's memory, about zero bubble for m >= 2pp, twice the PP messages")
 def generate_zb_v(spec: ScheduleSpec) -> Schedule:
-    _v_spec("zb-v", spec)
-    return searched("zb-v", spec, v_shape(spec.pp), one_f_one_b_peak(spec), switches=V_SWITCHES)
+    costs = spec.cost_model()
+    return finish("zb-v", spec, v_shape(spec.pp), costs, one_f_one_b_peak(spec), zb_v_plan(spec).orders)

@@ -1,10 +1,12 @@
 """Automatic zero-bubble schedules under a memory limit: zb-auto, and its presets zb-1p, zb-2p.
 
-The list scheduler (greedy.py) runs with every switch setting; the handmade orders join as
-candidates when they fit, so the result is never worse than them. With one chunk per rank the
-placement is Megatron's linear one and the handmade orders are 1f1b, zb-h1 and zb-h2; with
-``--chunks v`` (v >= 2) it is Megatron's interleaved (looping) placement, seeded with
-interleaved-1f1b and its B/W split (Ws right after their B, or deferred to the cool-down).
+Candidates: the round heuristic of the ZB paper (zb_rounds.py, one chunk per rank) and the
+list scheduler (greedy.py) with every switch setting; the handmade orders join as seeds when
+they fit, so the result is never worse than them. With one chunk per rank the placement is
+Megatron's linear one and the seeds are 1f1b, zb-h1 and zb-h2; with ``--chunks v`` (v >= 2)
+it is Megatron's interleaved (looping) placement, seeded with interleaved-1f1b, its B/W split
+(Ws right after their B, or deferred to the cool-down) and the PyTorch-style interleaved zero
+bubble order.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from . import interleaved as interleaved_1f1b
 from . import one_f_one_b, zb_h1, zb_h2
 from .common import linear_schedule
 from .search import searched
+from .torch_style import interleaved_zb_orders
+from .zb_rounds import ROUND_SWITCHES, round_orders
 
 HANDMADE = {"1f1b": one_f_one_b.rank_order, "zb-h1": zb_h1.rank_order, "zb-h2": zb_h2.rank_order}
 
@@ -27,28 +31,40 @@ def zb_auto(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
         placement = interleaved(spec.pp, spec.chunks)
         return searched(name, spec, placement, limit, interleaved_seeds(name, spec))
     linear_schedule(name, spec, lambda r, p, m: [])  # refuses --chunks < 1
-    seeds = (linear_schedule(seed, spec, order) for seed, order in HANDMADE.items())
-    return searched(name, spec, linear(spec.pp), limit, seeds)
+    seeds = [split_backward(linear_schedule(name, spec, order)) for order in HANDMADE.values()]
+    costs = spec.cost_model()
+    planners = [(lambda m, s=setting: round_orders(costs, m, limit, s)) for setting in ROUND_SWITCHES]
+    return searched(name, spec, linear(spec.pp), limit, seeds, planners, lean=True)
+
+
+def split_backward(schedule: Schedule) -> Schedule:
+    """Each fused BW as B then W at once: the same times and peak, and the schedule stays split."""
+    orders = []
+    for order in schedule.orders:
+        split: list[Pass] = []
+        for p in order:
+            if p.kind is PassKind.BW:
+                split += [Pass(PassKind.B, p.stage, p.microbatch), Pass(PassKind.W, p.stage, p.microbatch)]
+            else:
+                split.append(p)
+        orders.append(tuple(split))
+    return Schedule(schedule.name, schedule.placements, schedule.microbatches, tuple(orders))
 
 
 def interleaved_seeds(name: str, spec: ScheduleSpec) -> list[Schedule]:
-    """interleaved-1f1b with each BW split into B then W at once, and with every W moved after the last B."""
+    """interleaved-1f1b with each BW split (W at once, or every W after the last B), and interleaved zero bubble."""
+    zero_bubble = interleaved_zb_orders(spec.pp, spec.microbatches, spec.chunks)
+    placement = interleaved(spec.pp, spec.chunks)
+    seeds = [Schedule(name, (placement,), spec.microbatches, tuple(map(tuple, zero_bubble)))]
     try:
-        fused = interleaved_1f1b.generate(replace(spec, memory_limit=None))
+        at_once = split_backward(interleaved_1f1b.generate(replace(spec, memory_limit=None)))
     except ScheduleError:
-        return []
-    at_once, deferred = [], []
-    for order in fused.orders:
-        now: list[Pass] = []
-        for p in order:
-            now += (
-                [Pass(PassKind.B, p.stage, p.microbatch), Pass(PassKind.W, p.stage, p.microbatch)]
-                if (p.kind is PassKind.BW)
-                else [p]
-            )
-        at_once.append(tuple(now))
-        deferred.append(tuple([p for p in now if p.kind is not PassKind.W] + [p for p in now if p.kind is PassKind.W]))
-    return [Schedule(name, fused.placements, fused.microbatches, tuple(orders)) for orders in (at_once, deferred)]
+        return seeds
+    deferred = tuple(
+        tuple([p for p in order if p.kind is not PassKind.W] + [p for p in order if p.kind is PassKind.W])
+        for order in at_once.orders
+    )
+    return [*seeds, at_once, Schedule(name, at_once.placements, at_once.microbatches, deferred)]
 
 
 def preset_limit(spec: ScheduleSpec, factor: int) -> float:

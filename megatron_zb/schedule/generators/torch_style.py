@@ -1,0 +1,86 @@
+"""Fixed orders in the style of PyTorch's pipelining schedules, written as our own generators.
+
+They join the automatic planners as seeds, so an automatic schedule is never worse than them
+when they fit its memory limit (torch is never imported; the orders follow the published
+phase structure):
+
+- ``zbv_orders``: ZB-V on the V placement with Ws in a fixed place. Rank r warms up with
+  2(pp-r)-1 early forwards, r pairs of late and early forwards and pp-r late F-B-W triples,
+  then repeats early F-B-W and late F-B-W, and cools down with r B pairs, pp-r early B-W
+  pairs and the deferred Ws. It is planned for at least 2pp-1 microbatches and the extra ones
+  are dropped.
+- ``interleaved_zb_orders``: zero bubble on the looping placement (v chunks): interleaved
+  1F1B's groups and order, one warm-up forward fewer per hop, B split from W, and rank r
+  keeping r Ws pending (ZB-H1's rule per chunk).
+"""
+
+from __future__ import annotations
+
+from ..ir import B, F, Pass, W
+from .interleaved import chunk_order, group_sizes
+
+
+def zbv_orders(p: int, m: int) -> list[list[Pass]]:
+    return [_zbv_rank(p, m, r) for r in range(p)]
+
+
+def _zbv_rank(p: int, m: int, r: int) -> list[Pass]:
+    total = max(2 * p - 1, m)
+    early, late = r, 2 * p - 1 - r
+    count = {"f0": 0, "f1": 0, "b0": 0, "b1": 0, "w0": 0, "w1": 0}
+    order: list[Pass] = []
+
+    def run(name: str) -> None:
+        block = early if name.endswith("0") else late
+        make = {"f": F, "b": B, "w": W}[name[0]]
+        order.append(make(block, count[name]))
+        count[name] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        run("f0")
+    for _ in range(r):
+        run("f1")
+        run("f0")
+    for _ in range(p - r):
+        for name in ("f1", "b1", "w1"):
+            run(name)
+    while count["f1"] < count["f0"] or count["f0"] < total:
+        if count["f0"] < total:
+            run("f0")
+        for name in ("b0", "w0", "f1", "b1", "w1"):
+            run(name)
+    for _ in range(r):
+        run("b0")
+        run("b1")
+    for _ in range(p - r):
+        run("b0")
+        run("w0")
+    while count["w1"] < count["b1"]:
+        run("w1")
+    while count["w0"] < count["b0"]:
+        run("w0")
+    return [x for x in order if x.microbatch < m]
+
+
+def interleaved_zb_orders(p: int, m: int, v: int) -> list[list[Pass]]:
+    groups = group_sizes(m, p)
+    forwards = chunk_order(m, v, groups)
+    backwards = [(v - 1 - chunk, mb) for chunk, mb in forwards]
+    total = len(forwards)
+    orders = []
+    for r in range(p):
+        warmup = min((v - 1) * groups[0] + p - 1 - r, total)
+        order = [F(c * p + r, mb) for c, mb in forwards[:warmup]]
+        weights = 0
+        for j, (c, mb) in enumerate(backwards):
+            if warmup + j < total:
+                fc, fmb = forwards[warmup + j]
+                order.append(F(fc * p + r, fmb))
+            order.append(B(c * p + r, mb))
+            if j >= r:
+                wc, wmb = backwards[weights]
+                order.append(W(wc * p + r, wmb))
+                weights += 1
+        order += [W(c * p + r, mb) for c, mb in backwards[weights:]]
+        orders.append(order)
+    return orders

@@ -1,0 +1,179 @@
+"""Round-by-round zero-bubble heuristic on the linear placement (the ZB paper's section 3.1).
+
+The timed list scheduler (greedy.py) decides pass by pass, which lets a rank run ahead: the
+last rank runs F, B, F, B from its backlog of forwards and ranks further up starve later.
+This heuristic keeps the pipeline in step instead. Round i runs microbatch i's B on every
+stage, from the last stage up, and may give each stage one F before it. The warm-up gives
+every stage as many Fs as end (or start, with ``overrun``) before microbatch 0's B comes back,
+within the memory limit, and fewer than the stage before it. Whenever a stage would wait for
+an input it runs pending Ws: all that end before the input arrives, then one more if the wait
+is longer than the bubble it may still afford (the largest bubble of any stage so far) or if
+``eager_w``. Times are exact for the order (each pass starts when its rank and input are
+ready), so the result's stage span is the simulator's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import product
+
+from ..costs import CostModel
+from ..ir import ScheduleError
+from .greedy import EPS
+from .result import B_CODE as B
+from .result import F_CODE as F
+from .result import W_CODE as W
+from .result import Result
+
+
+@dataclass(frozen=True)
+class RoundSwitches:
+    overrun: bool = False  # a warm-up F may start before microbatch 0's B arrives and end after it
+    hold_f: bool = False  # a stage two Fs ahead of the next skips its F when that F would delay the B
+    eager_w: bool = True  # any wait is filled with a W, even one the bubble budget could absorb
+
+
+ROUND_SWITCHES = tuple(RoundSwitches(*flags) for flags in product((False, True), repeat=3))
+
+
+class NoRoom(ScheduleError):
+    """A pass needs more memory than the limit leaves and no W is pending to free it."""
+
+
+def round_orders(costs: CostModel, microbatches: int, limit: float | None, switches: RoundSwitches) -> Result:
+    """Per-rank orders of the round heuristic; raises NoRoom if the limit is too tight for it."""
+    return _Rounds(costs, microbatches, limit, switches).run()
+
+
+class _Rounds:
+    def __init__(self, costs: CostModel, m: int, limit: float | None, switches: RoundSwitches):
+        n = costs.pp
+        self.n, self.m, self.sw = n, m, switches
+        self.limit = float("inf") if limit is None else limit + EPS
+        self.comm = costs.t_comm if n > 1 else 0.0
+        self.cost = (costs.t_f, costs.t_b, costs.t_w)  # indexed by pass kind (F, B, W)
+        self.delta = (costs.mem_f, costs.mem_b, costs.mem_w)
+        self.done = ([0] * n, [0] * n, [0] * n)
+        self.end = ([[0.0] * m for _ in range(n)], [[0.0] * m for _ in range(n)])
+        self.max_bubble = 0.0
+        self.free, self.first = [0.0] * n, [None] * n
+        self.bubble, self.mem, self.peak = [0.0] * n, [0.0] * n, [0.0] * n
+        self.pending: list[deque[int]] = [deque() for _ in range(n)]
+        self.orders: list[list[int]] = [[] for _ in range(n)]  # encoded passes (result.py)
+
+    def run(self) -> Result:
+        self._warm_up()
+        for i in range(1, self.m):
+            self._round(i)
+        for s in range(self.n):
+            while self.pending[s]:
+                self._put(s, W)
+        spans = [self.free[s] - self.first[s] for s in range(self.n)]
+        return Result(self.orders, self.n, self.m, max(spans), max(self.free) - min(self.first), max(self.peak))
+
+    def _arrival(self, s: int, kind: int) -> float:
+        """When the input of the stage's next F or B is ready on its rank."""
+        k = self.done[kind][s]
+        if kind == F:
+            return self.end[F][s - 1][k] + self.comm if s else 0.0
+        if s == self.n - 1:
+            return self.end[F][s][k]
+        return self.end[B][s + 1][k] + self.comm
+
+    def _put(self, s: int, kind: int) -> None:
+        k = self.pending[s].popleft() if kind == W else self.done[kind][s]  # Ws run oldest first
+        ready = self.end[B][s][k] if kind == W else self._arrival(s, kind)
+        start = max(self.free[s], ready)
+        if self.first[s] is None:
+            self.first[s] = start
+        elif start > self.free[s]:
+            self.bubble[s] += start - self.free[s]
+            self.max_bubble = max(self.max_bubble, self.bubble[s])
+        self.free[s] = start + self.cost[kind][s]
+        if kind != W:
+            self.end[kind][s][k] = self.free[s]
+        if kind == B:
+            self.pending[s].append(k)
+        self.mem[s] += self.delta[kind][s]
+        self.peak[s] = max(self.peak[s], self.mem[s])
+        self.done[kind][s] += 1
+        self.orders[s].append((kind * self.n + s) * self.m + k)
+
+    def _make_room(self, s: int, kind: int) -> None:
+        while self.mem[s] + self.delta[kind][s] > self.limit:
+            if not self.pending[s]:
+                raise NoRoom(f"stage {s} cannot fit its next {'FBW'[kind]} under the memory limit")
+            self._put(s, W)
+
+    def _wait_with_ws(self, s: int, arrival: float) -> None:
+        """Fill the wait for an input with pending Ws (see the module docstring)."""
+        while self.pending[s] and self.free[s] + self.cost[W][s] <= arrival + EPS:
+            self._put(s, W)
+        if self.pending[s] and self.free[s] < arrival - EPS:
+            budget = self.max_bubble - self.bubble[s]
+            if self.sw.eager_w or arrival - self.free[s] > budget:
+                self._put(s, W)
+
+    def _step(self, s: int, kind: int, cross_rank: bool) -> None:
+        self._make_room(s, kind)
+        if cross_rank:
+            self._wait_with_ws(s, self._arrival(s, kind))
+        self._put(s, kind)
+
+    def _warm_up(self) -> None:
+        """Microbatch 0's F on every stage, the extra Fs that fit before its B returns, then its B."""
+        n, m = self.n, self.m
+        for s in range(n):
+            self._step(s, F, s > 0)
+        extra = [0] * n
+        back = self.free[n - 1] + self.cost[B][n - 1]  # when the last stage's B of microbatch 0 ends
+        for s in range(n - 2, -1, -1):
+            mem, t = self.mem[s], self.free[s]
+            while self.done[F][s] + extra[s] < m and mem + self.delta[F][s] <= self.limit:
+                if (t >= back + self.comm) if self.sw.overrun else (t + self.cost[F][s] > back + self.comm + EPS):
+                    break
+                mem += self.delta[F][s]
+                t += self.cost[F][s]
+                extra[s] += 1
+            back = max(t, back + self.comm) + self.cost[B][s]
+        for s in range(1, n):  # each stage holds fewer forwards than the one before it
+            if self.done[F][s] + extra[s] < m:
+                extra[s] = max(0, min(extra[s], extra[s - 1] - 1))
+        for s in range(n):
+            for _ in range(extra[s]):
+                self._step(s, F, s > 0)
+        for s in range(n - 1, -1, -1):
+            self._step(s, B, s < n - 1)
+
+    def _round(self, i: int) -> None:
+        n, m = self.n, self.m
+        want = [self.done[F][s] < m for s in range(n)]
+        if self.sw.hold_f:
+            for s in range(n - 1):
+                if want[s] and self.done[F][s] >= self.done[F][s + 1] + 2:
+                    want[s] = self._f_pays_off(s)
+        for s in range(n - 2, -1, -1):  # a stage runs an F only if the next one does
+            want[s] = want[s] and want[s + 1]
+        for s in range(n):
+            if want[s]:
+                self._step(s, F, s > 0)
+        for s in range(n - 1, -1, -1):
+            if s == 0 and self.done[F][0] == m:
+                while self.pending[0]:  # cool-down on the first stage: the Bs come far apart
+                    self._put(0, W)
+            self._step(s, B, s < n - 1)
+
+    def _f_pays_off(self, s: int) -> bool:
+        """Whether a stage already ahead should run an F now rather than wait for its B."""
+        back = self.free[s + 1] + self.cost[F][s + 1] + self.cost[B][s + 1] + self.comm
+        if self.free[s] >= back:
+            return False
+        room, extra, queue = self.mem[s] + self.delta[F][s], 0.0, len(self.pending[s])
+        while room > self.limit and queue:
+            room += self.delta[W][s]
+            extra += self.cost[W][s]
+            queue -= 1
+        if self.free[s] + self.cost[F][s] + extra <= back:
+            return True
+        return back - self.free[s] > self.max_bubble - self.bubble[s]
