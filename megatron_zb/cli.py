@@ -18,9 +18,12 @@ from .schedule.costs_file import load_costs
 from .schedule.ir import Schedule, ScheduleError
 from .schedule.iterations import IterationsTimeline, simulate_iterations
 from .schedule.registry import ScheduleSpec, build, get, names
+from .schedule.schedule_file import load_schedule, refuse_other_setting
 from .schedule.simulate import Timeline, simulate
+from .schedule.torch_csv import write_torch_csv
+from .schedule.validate import check
 
-FORMATS = ("text", "json", "svg", "html", "chrome-trace")
+FORMATS = ("text", "json", "svg", "html", "chrome-trace", "torch-csv")
 
 
 def _numbers(text: str) -> tuple[float, ...]:
@@ -106,6 +109,12 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule", help="schedule name; see `megatron-zb list` (default with --costs-from: the run's schedule)"
     )
+    parser.add_argument(
+        "--from-file",
+        metavar="FILE",
+        help="validate, simulate and draw the orders in FILE instead of a named schedule: our JSON (--format json) "
+        "or PyTorch's schedule CSV (compute only or with communication); pp and microbatches come from the file",
+    )
     _add_setting_args(parser)
     parser.add_argument(
         "--refine-seconds",
@@ -125,7 +134,12 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
         "time per iteration with a synchronising optimizer step and with post-validation (default 1)",
     )
     out = parser.add_argument_group("output")
-    out.add_argument("--format", choices=FORMATS, default="text", help="default: text")
+    out.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="default: text; torch-csv writes the orders as PyTorch's compute-only schedule CSV (_load_csv reads it)",
+    )
     out.add_argument("-o", "--output", help="write to this file instead of standard output")
     out.add_argument("--width", type=_positive_int, help="text format: at most this many columns for the timeline")
     out.add_argument("--color", action="store_true", help="text format: ANSI colors by pass kind")
@@ -226,10 +240,32 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
 
 
 def plan_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
+    if getattr(args, "from_file", None):
+        return _file_schedule(args)
     spec = _spec(args, args.refine_seconds)
     if args.schedule is None:
         raise ScheduleError("give --schedule NAME (see `megatron-zb list`)")
     return build(args.schedule, spec), spec.costs
+
+
+def _file_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
+    """The orders of --from-file, validated under the costs and memory limit given."""
+    if args.schedule or args.refine_seconds:
+        given = "--schedule" if args.schedule else "--refine-seconds"
+        raise ScheduleError(f"{given} plans a schedule; --from-file {args.from_file} gives its orders: drop one")
+    loaded = load_schedule(args.from_file)
+    schedule = loaded.schedule
+    asked = {"pp": ("--pp", args.pp), "microbatches": ("--microbatches", args.microbatches)}
+    refuse_other_setting(f"--from-file {args.from_file}", schedule, {**asked, "chunks": ("--chunks", args.chunks)})
+    args.pp = None if args.costs_from else schedule.pp
+    args.microbatches = schedule.microbatches
+    spec = _spec(args)
+    if spec.costs.pp != schedule.pp:
+        raise ScheduleError(f"--costs-from {args.costs_from} is for pp={spec.costs.pp}, the file for pp={schedule.pp}")
+    check(schedule, spec.costs, spec.memory_limit)
+    for note in loaded.notes:
+        print(f"megatron-zb plan: note: {args.from_file}: {note}", file=sys.stderr)
+    return schedule, spec.costs
 
 
 def plan_timeline(args: argparse.Namespace) -> Timeline:
@@ -241,6 +277,8 @@ def render(timeline: Timeline, fmt: str, width: int | None = None, color: bool =
 
     if fmt == "json":
         return json.dumps(timeline.to_dict())
+    if fmt == "torch-csv":
+        return write_torch_csv(timeline.schedule).removesuffix("\n")  # _write and print end the last row
     if fmt == "text":
         return renderers.render_text(timeline, width=width, color=color)
     return renderers.FORMATS[fmt](timeline)
@@ -308,6 +346,8 @@ def run_plan(args: argparse.Namespace) -> None:
                 "iteration hands over to the next, and which schedule auto picks"
             )
         text = render(plan_timeline(args), args.format, args.width, args.color)
+    elif args.format == "torch-csv":
+        raise ScheduleError("--format torch-csv writes one iteration's orders; drop --iterations")
     else:
         text = _plan_iterations(args)
     _write(text, args.output)

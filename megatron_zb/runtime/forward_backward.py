@@ -1,10 +1,11 @@
-"""megatron-core's ``forward_backward_func`` for any registered schedule.
+"""megatron-core's ``forward_backward_func`` for any registered schedule, or a schedule file.
 
 ``ForwardBackward("zb-h1")`` is a drop-in for the function ``get_forward_backward_func()``
 returns: same keyword arguments, a list of model chunks and data iterators for several
 chunks per rank, the list of loss dicts on the rank that computes the loss (``[]``
 elsewhere). Every rank builds the same schedule from (name, pp, microbatches, chunks), so
-nothing is exchanged before the first pass.
+nothing is exchanged before the first pass. ``ForwardBackward("file:PATH")`` runs the orders
+in a schedule file instead (``schedule_file.build_schedule``), which every rank reads.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ..compat import encoder_and_decoder_model_type, require_supported_megatron_core
-from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec, build
+from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec
 from ..schedule.ir import parse_orders
+from ..schedule.schedule_file import build_schedule
 from ..schedule.speculation import Speculation, speculation
 from . import linear_split, steps
 from .executor import Executor, PrefixCheck, plan_rank
@@ -43,7 +45,7 @@ class Groups:
 
 
 class ForwardBackward:
-    """Runs ``schedule`` (a registered name) with megatron-core's forward_backward contract.
+    """Runs ``schedule`` (a registered name, or ``file:PATH``) with megatron-core's forward_backward contract.
 
     ``memory_limit``, ``costs``, ``chunks`` and ``post_validation`` are passed to the generator; ``timeout_s``
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
@@ -95,7 +97,7 @@ class ForwardBackward:
             spec = ScheduleSpec(
                 pp, microbatches, chunks, self.costs, self.memory_limit, self.refine_seconds, self.post_validation
             )
-            schedule = build(self.name, spec) if not self._broadcasts() or dist.get_rank() == 0 else None
+            schedule = build_schedule(self.name, spec) if not self._broadcasts() or dist.get_rank() == 0 else None
             if self._broadcasts():
                 schedule = _broadcast_schedule(schedule)
             self._schedules[key] = schedule
@@ -180,7 +182,7 @@ class ForwardBackward:
         def plan(costs: CostModel) -> Schedule:
             m, limit = schedule.microbatches, self.memory_limit
             spec = ScheduleSpec(schedule.pp, m, chunks, costs, limit, self.refine_seconds, self.post_validation)
-            return build(self.name, spec)
+            return build_schedule(self.name, spec)
 
         chosen, self.costs = self.replanner.replan(
             schedule, self.costs, plan, pipeline, shape, dtype, self.memory_limit
