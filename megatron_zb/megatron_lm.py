@@ -11,9 +11,11 @@ the loop, logging and checkpoints; we add our flags, register the schedule behin
 built by the script from ``parse_and_validate_args()``, as pretrain_gpt.py's ``__main__`` does.
 
 With ``--cpu`` this command spawns the gloo processes itself (``megatron_zb.megatron_lm_cpu``
-shims what Megatron-LM assumes of a GPU). Megatron-LM's model provider and ``get_batch`` place
-the embedding on the first and the loss on the last pipeline rank, so V-shape schedules are
-refused on this path: they run with megatron-zb's own loop (``megatron-zb train``).
+shims what Megatron-LM assumes of a GPU). V-shape schedules run here too: Megatron-LM's model
+building, data loading and embedding group assume megatron's looping placement, and
+``megatron_zb.megatron.placement_hooks`` (installed with ``install()``, set up by the wrapped
+``validate_args``) gives them the V's answers: two chunks per rank, the embedding and the loss
+on rank 0's chunks, their data and tied embedding copies there.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
+from .megatron import patching
 from .megatron.args import add_args, schedule_settings
+from .megatron.placement_hooks import prepare_args
 from .training.checks import check_megatron_lm_launch, writable_file
 
 _CHECKOUT_MODULES = ("megatron", "pretrain_gpt", "gpt_builders", "model_provider")
@@ -181,7 +185,9 @@ def check_flags_before_init() -> None:
     """Refuse bad zero-bubble flags in Megatron-LM's ``validate_args``, before torch.distributed starts.
 
     Otherwise they fail at the first ``get_forward_backward_func()`` call, on every rank, after
-    the process groups, model and optimizer were built. Wraps the ``validate_args`` that
+    the process groups, model and optimizer were built. For a placement megatron does not build
+    itself (V) it also sets the arguments Megatron-LM builds the chunks from
+    (``placement_hooks.prepare_args``). Wraps the ``validate_args`` that
     ``initialize_megatron`` calls right after parsing, and the one in ``megatron.training.arguments``
     where newer checkouts parse before ``pretrain()``; calling this again does nothing.
     """
@@ -193,7 +199,7 @@ def check_flags_before_init() -> None:
     for module in modules:
         validate_args = getattr(module, "validate_args", None)
         if validate_args is not None and not getattr(validate_args, "megatron_zb_checked", False):
-            module.validate_args = _checked(validate_args)
+            patching.replace(module, "validate_args", _checked(validate_args))
 
 
 def _checked(validate_args):
@@ -205,18 +211,10 @@ def _checked(validate_args):
             settings = schedule_settings(found if found is not None else args)
             if settings is not None and settings.costs_file:
                 writable_file("--zero-bubble-save-costs", settings.costs_file)
+            if settings is not None:
+                prepare_args(found if found is not None else args, settings.placement, settings.schedule)
         except ValueError as error:
             raise SystemExit(f"megatron-zb: {error}") from None
-        if settings is not None and settings.placement.kind == "v":
-            raise SystemExit(
-                f"megatron-zb: {settings.schedule} needs the V-shape model placement (the first pipeline rank "
-                "holds both the embedding and the loss), which Megatron-LM cannot build: its get_model, model "
-                "provider and get_batch choose pre_process/post_process with mpu.is_pipeline_first_stage/"
-                "is_pipeline_last_stage, which only know the looping placement, and "
-                "--pipeline-model-parallel-layout sets how many layers each block holds, not which rank holds "
-                "it; run it with `megatron-zb train` (megatron-zb's own loop), or choose a schedule with "
-                "Megatron's placement here (zb-1p, zb-2p, zb-h1, zb-h2, 1f1b, interleaved-1f1b)"
-            )
         return found
 
     validate.megatron_zb_checked = True
@@ -319,6 +317,8 @@ def _cpu_worker(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
+    # Megatron-LM's validate_args asks for it with tensor parallelism below Blackwell (no meaning on CPU).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")

@@ -13,6 +13,9 @@ assume a GPU in a few more places, each shimmed here to what a CPU process would
   interpreter and its pybind11 instead (when the checkout's megatron.core has none built).
 - checkpoints save and restore the CUDA RNG state: an empty state, restored as a no-op.
 - memory reports read CUDA allocator statistics: zeros.
+- ``validate_args`` reads the GPU's architecture (``get_device_arch_version``) when tensor
+  parallelism is on: architecture 0 (no GPU), so it asks for ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+  as on a pre-Blackwell GPU; the CPU launcher sets it.
 
 ``enable()`` is idempotent and, like ``megatron_zb.cpu.enable()``, refuses a machine with CUDA.
 """
@@ -141,10 +144,26 @@ def _megatron_lm() -> None:
         initialize.model_parallel_cuda_manual_seed = seed
     if getattr(initialize, "tensor_parallel", None) is tensor_parallel:
         pass  # initialize calls tensor_parallel.model_parallel_cuda_manual_seed, patched above
+    _no_gpu_architecture()
     with contextlib.suppress(ImportError):
         from megatron.legacy import fused_kernels
 
         fused_kernels.load = lambda args: None
+
+
+def _no_gpu_architecture() -> None:
+    """Megatron-LM's ``get_device_arch_version()`` (utils, bound in arguments) answers 0: no GPU here."""
+    utils = importlib.import_module("megatron.training.utils")
+    original = getattr(utils, "get_device_arch_version", None)
+    if original is None:
+        return
+    for module in list(sys.modules.values()):
+        if module is not None and getattr(module, "get_device_arch_version", None) is original:
+            module.get_device_arch_version = _architecture_0
+
+
+def _architecture_0() -> int:
+    return 0
 
 
 def _without_cuda(initialize_megatron):

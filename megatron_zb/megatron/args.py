@@ -12,8 +12,9 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..schedule import Schedule, ScheduleError, ScheduleSpec, build, names
+from ..schedule import Schedule, ScheduleError, ScheduleSpec, names
 from ..schedule.placement import Placement
+from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
 from ..training.checks import check_zero_bubble_numbers, refuse_zero_bubble_settings
 from .layer_split import layers_per_block
 
@@ -99,10 +100,12 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-schedule",
-        choices=names(),
+        type=_schedule_choice,
         default=None,
         metavar="NAME",
-        help=f"run this megatron-zb schedule ({', '.join(names())}); implies --enable-zero-bubble",
+        help=f"run this megatron-zb schedule ({', '.join(names())}), or {FILE_PREFIX}PATH for the orders in a "
+        "schedule file (megatron-zb plan --format json or torch-csv, or PyTorch's schedule CSV) planned for this "
+        "pp, microbatches and chunks; implies --enable-zero-bubble",
     )
     group.add_argument(
         "--zero-bubble-memory-limit",
@@ -118,6 +121,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=600.0,
         metavar="SECONDS",
         help="a pipeline send or receive that waits longer fails, naming the rank, pass and microbatch (default 600)",
+    )
+    group.add_argument(
+        "--zero-bubble-placement-independent-init",
+        action="store_true",
+        help="Megatron-LM: draw every initial weight from (--seed, its name in the unpipelined model) instead of "
+        "each rank's random stream, so runs with different schedules, placements or pipeline sizes start from the "
+        "same model (e.g. zb-v against megatron-core's 1F1B); works with megatron-core's schedules too "
+        "(megatron-zb train always initialises this way)",
     )
     return parser
 
@@ -139,6 +150,14 @@ def extra_args_provider(other: ArgsProvider | None = None) -> ArgsProvider:
         return add_args(parser if extended is None else extended)
 
     return both
+
+
+def _schedule_choice(text: str) -> str:
+    if text in names() or (text.startswith(FILE_PREFIX) and len(text) > len(FILE_PREFIX)):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {', '.join(names())}, or {FILE_PREFIX}PATH)"
+    )
 
 
 def _pending_backward(text: str) -> int:
@@ -199,7 +218,9 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     post_validation = _post_validation(args)
     try:
         spec = ScheduleSpec(pp, microbatches, chunks, memory_limit=memory_limit, post_validation=post_validation)
-        schedule = build(name, spec)
+        if name.startswith(FILE_PREFIX):
+            _refuse_other_setting(args, name, microbatches, chunks)
+        schedule = build_schedule(name, spec)
     except ScheduleError as error:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
     pad = bool(getattr(args, "allow_padding_num_layers", False))
@@ -217,6 +238,22 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         post_validation_rollback=getattr(args, "optimizer_post_validation_rollback", "exact"),
         p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
     )
+
+
+def _refuse_other_setting(args: argparse.Namespace, name: str, microbatches: int, chunks: int | None) -> None:
+    """A schedule file must be planned for this run; the refusal names the flags that set it."""
+    schedule = load_schedule(name.removeprefix(FILE_PREFIX), name).schedule
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    global_batch = getattr(args, "global_batch_size", None) or args.micro_batch_size * dp
+    batch = (
+        f"--global-batch-size {global_batch} / (--micro-batch-size {args.micro_batch_size} x data-parallel size {dp})"
+    )
+    asked = {
+        "pp": ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        "microbatches": (batch, microbatches),
+        "chunks": ("--virtual-pipeline-model-parallel-size", chunks),
+    }
+    refuse_other_setting("the file", schedule, asked)
 
 
 def _post_validation(args: argparse.Namespace) -> bool:

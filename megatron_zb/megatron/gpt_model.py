@@ -17,6 +17,7 @@ from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp3
 
 from ..schedule.placement import Placement
 from .layout import PlacementLayerLayout, layer_layout
+from .placement_hooks import uses_megatron_mapping
 
 
 def embedding_chunk(placement: Placement, rank: int) -> int | None:
@@ -50,15 +51,6 @@ def _embedding_ranks(placement: Placement, pp_ranks: list[int], vp: int | None =
     return list(dict.fromkeys(pp_ranks[rank] for rank in holders))
 
 
-def _is_looping(placement: Placement) -> bool:
-    """Does megatron-core's own (rank, vp stage) -> block mapping match this placement?"""
-    pp = placement.pp
-    return all(
-        placement.blocks[block] == (block % pp, placement.chunk_base + block // pp)
-        for block in range(placement.num_stages)
-    )
-
-
 def build_gpt_chunks(
     config,
     placement: Placement,
@@ -84,7 +76,7 @@ def build_gpt_chunks(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     _check_rank(placement, rank)
-    _use_placement_layout(config, placement)
+    use_placement_layout(config, placement)
     tied = share_embeddings_and_output_weights
     if tied:
         _check_tied_placement(placement)
@@ -110,7 +102,7 @@ def build_gpt_chunks(
             )
         )
     if tied:
-        _tie_local_copies(chunks, placement, rank)
+        tie_local_copies(chunks, placement, rank)
     return chunks
 
 
@@ -138,7 +130,7 @@ def _check_rank(placement: Placement, rank: int) -> None:
             )
 
 
-def _use_placement_layout(config, placement: Placement) -> None:
+def use_placement_layout(config, placement: Placement) -> None:
     """Check the config against the placement; install a PlacementLayerLayout where megatron's mapping differs."""
     if config.pipeline_model_parallel_size != placement.pp:
         raise ValueError(
@@ -160,7 +152,7 @@ def _use_placement_layout(config, placement: Placement) -> None:
                 f"(pp={layout.placement.pp}), not this {placement.kind} one (pp={placement.pp})"
             )
         return
-    if _is_looping(placement):
+    if uses_megatron_mapping(placement):
         return  # megatron-core's own layer split (or the caller's megatron layout) is right as it is
     if layout is not None:
         raise ValueError(
@@ -221,7 +213,7 @@ def _check_embedding_group(placement: Placement) -> None:
         )
 
 
-def _tie_local_copies(chunks: list, placement: Placement, rank: int) -> None:
+def tie_local_copies(chunks: list, placement: Placement, rank: int) -> None:
     """Both copies on this rank (V): the output copy starts as the embedding, as megatron's all-reduce would do."""
     pair = _local_copies(chunks, placement, rank)
     if pair is None:
@@ -287,12 +279,12 @@ def tied_embedding_finalize(finalize_model_grads_func: Callable | None, placemen
     def finalize(model: list, num_tokens=None, *args, **kwargs) -> None:
         if finalize_model_grads_func is not None:
             finalize_model_grads_func(model, num_tokens, *args, **kwargs)
-        sum_tied_embedding_grads(model, placement, _pipeline_rank(kwargs.get("pg_collection")))
+        sum_tied_embedding_grads(model, placement, pipeline_rank(kwargs.get("pg_collection")))
 
     return finalize
 
 
-def _pipeline_rank(pg_collection) -> int:
+def pipeline_rank(pg_collection) -> int:
     if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
         return pg_collection.pp.rank()
     from megatron.core import parallel_state

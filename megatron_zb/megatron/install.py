@@ -6,7 +6,9 @@ alone does nothing once training is imported. ``install()`` replaces the attribu
 loaded module that holds megatron-core's function, and in the package, so modules imported
 later bind ours: import order does not matter. Ours returns megatron-core's own function
 unless zero bubble is enabled, either by ``configure(settings)`` or by Megatron-LM's parsed
-arguments carrying our flags (``add_args`` as ``extra_args_provider``).
+arguments carrying our flags (``add_args`` as ``extra_args_provider``). ``install()`` also hooks
+megatron-core and Megatron-LM where a placement megatron does not build itself (the V) needs it
+(``placement_hooks``); ``uninstall()`` undoes every replacement.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from collections.abc import Callable
 
 from ..compat import is_multi_module_pg_collection, require_supported_megatron_core, signature_of
+from . import patching, placement_hooks
 from .args import ZeroBubbleSettings, schedule_settings
 from .training_hooks import hook_training_loop
 
@@ -28,7 +31,8 @@ def install() -> None:
     """Route every bound copy of ``get_forward_backward_func`` through megatron-zb (idempotent).
 
     Also hooks Megatron-LM's training loop when it is loaded (``training_hooks``): with
-    ``--enable-optimizer-post-validation`` its optimizer is post-validated.
+    ``--enable-optimizer-post-validation`` its optimizer is post-validated. With a V placement
+    (``placement_hooks``) Megatron-LM builds and feeds the chunks of the V.
     """
     global _original
     require_supported_megatron_core()
@@ -40,10 +44,13 @@ def install() -> None:
         if getattr(module, "get_forward_backward_func", None) is _original:
             module.get_forward_backward_func = get_forward_backward_func
     hook_training_loop(active_settings)  # optimizer post-validation in Megatron-LM's train_step
+    placement_hooks.install()
 
 
 def uninstall() -> None:
-    """Put megatron-core's function back everywhere ours was bound."""
+    """Put megatron-core's function back everywhere ours was bound, and undo every other hook."""
+    patching.undo()
+    _from_args.clear()
     if _original is None:
         return
     ours, this = get_forward_backward_func, sys.modules[__name__]
@@ -94,14 +101,19 @@ def get_forward_backward_func(*args, **kwargs):
 def active_settings() -> ZeroBubbleSettings | None:
     if _configured:
         return _configured[0]
-    args = _megatron_lm_args()
+    return megatron_lm_settings()
+
+
+def megatron_lm_settings() -> ZeroBubbleSettings | None:
+    """The settings Megatron-LM's parsed arguments select (``configure()`` aside); None without them."""
+    args = megatron_lm_args()
     if args is None:
         return None
     key = id(args)
-    if key not in _from_args:
+    if key not in _from_args or _from_args[key][0] is not args:  # the args kept too: an id can be reused
         _from_args.clear()
-        _from_args[key] = schedule_settings(args)
-    return _from_args[key]
+        _from_args[key] = (args, schedule_settings(args))
+    return _from_args[key][1]
 
 
 def runner_for(settings: ZeroBubbleSettings):
@@ -125,7 +137,7 @@ def runner_for(settings: ZeroBubbleSettings):
     return _runners[settings]
 
 
-def _megatron_lm_args():
+def megatron_lm_args():
     """Megatron-LM's parsed arguments when its training package is loaded and they are set."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None

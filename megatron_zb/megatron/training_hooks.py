@@ -1,15 +1,19 @@
-"""Post-validation inside Megatron-LM's own training loop (``megatron.training.training``).
+"""Hooks inside Megatron-LM's own training loop (``megatron.training.training``).
 
-Megatron-LM builds the optimizer and the LR scheduler itself, and after ``optimizer.step()``
-its ``train_step`` reduces the step's success and grad norm over the model-parallel group:
-two more all-reduces across pipeline stages at the end of every iteration, which would undo
-what post-validation buys. With ``--enable-optimizer-post-validation`` these hooks wrap the
-optimizer Megatron-LM builds, attach its scheduler (a skipped step takes its increment back),
-and let each rank keep its own success flag and grad norm: the last pipeline stage, which logs,
-has the validated values at once. Without the flag every hook calls Megatron-LM's function.
+Post-validation: Megatron-LM builds the optimizer and the LR scheduler itself, and after
+``optimizer.step()`` its ``train_step`` reduces the step's success and grad norm over the
+model-parallel group: two more all-reduces across pipeline stages at the end of every
+iteration, which would undo what post-validation buys. With ``--enable-optimizer-post-validation``
+these hooks wrap the optimizer Megatron-LM builds, attach its scheduler (a skipped step takes its
+increment back), and let each rank keep its own success flag and grad norm: the last pipeline
+stage, which logs, has the validated values at once.
 
-Written from Megatron-LM's train_step (core_r0.13 to core_r0.16) and not run against a real
-checkout here; tests/megatron/test_training_hooks.py checks the wiring on a stand-in module.
+Placements megatron does not build itself (V): before the optimizer is built the model chunks
+are finished for the placement (``placement_hooks.prepare_chunks``), and Megatron-LM's
+``finalize_model_grads`` also sums the tied-embedding copies one rank holds. Without these
+settings every hook calls Megatron-LM's function. Each replacement is recorded in ``patching``.
+tests/megatron/test_training_hooks.py checks the wiring on a stand-in module,
+tests/megatron/test_real_megatron_lm.py on real checkouts.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from . import patching
+
 HOOKED = (
     "get_megatron_optimizer",
     "get_optimizer_param_scheduler",
     "logical_and_across_model_parallel_group",
     "reduce_max_stat_across_model_parallel_group",
+    "finalize_model_grads",
 )
 
 
@@ -31,13 +38,7 @@ def hook_training_loop(settings: Callable) -> None:
     if training is None:
         return
     for name in HOOKED:
-        original = getattr(training, name, None)
-        if original is None or getattr(original, "megatron_zb_hook", False):
-            continue
-        hooked = _HOOKS[name](original, settings)
-        hooked.megatron_zb_hook = True
-        hooked.__wrapped__ = original
-        setattr(training, name, hooked)
+        patching.hook(training, name, lambda original, name=name: _HOOKS[name](original, settings))
 
 
 def _validating(settings: Callable) -> bool:
@@ -47,6 +48,9 @@ def _validating(settings: Callable) -> bool:
 
 def _optimizer(original, settings):
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        from .placement_hooks import prepare_chunks
+
+        prepare_chunks(list(model_chunks))
         optimizer = original(config, model_chunks, *args, **kwargs)
         found = settings()
         if found is not None and found.post_validation:
@@ -91,9 +95,16 @@ def _local_stat(original, settings):
     return reduce_max_stat_across_model_parallel_group
 
 
+def _finalize(original, settings):
+    from .placement_hooks import tied_finalize
+
+    return tied_finalize(original)
+
+
 _HOOKS = {
     "get_megatron_optimizer": _optimizer,
     "get_optimizer_param_scheduler": _scheduler,
     "logical_and_across_model_parallel_group": _local_flag,
     "reduce_max_stat_across_model_parallel_group": _local_stat,
+    "finalize_model_grads": _finalize,
 }

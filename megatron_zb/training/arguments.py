@@ -175,7 +175,7 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
         "--megatron-lm",
         action="store_true",
         help="run Megatron-LM's pretrain() with these flags instead of this loop (needs a Megatron-LM checkout on "
-        "PYTHONPATH or in MEGATRON_LM_PATH; real datasets, no V schedules)",
+        "PYTHONPATH or in MEGATRON_LM_PATH; real datasets, V schedules included)",
     )
     group.add_argument("--metrics-file", default=None, help="append one JSON line per iteration to this file")
     group.add_argument("--trace-file", default=None, help="write a Chrome/Perfetto trace of one iteration's passes")

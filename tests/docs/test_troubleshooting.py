@@ -142,11 +142,15 @@ def checkpoint_layout(_monkeypatch) -> str:
     return raised(lambda: _check_layout(saved, current, Path("ckpt/iter_0000010")))
 
 
-def v_on_megatron_lm(_monkeypatch) -> str:
-    from megatron_zb.megatron_lm import _checked
+def v_on_megatron_lm(**fields):
+    def trigger(_monkeypatch) -> str:
+        from megatron_zb.megatron_lm import _checked
 
-    validate = _checked(lambda args: args)
-    return raised(lambda: validate(argparse.Namespace(**{**MEGATRON, "zero_bubble_v_schedule": True})))
+        validate = _checked(lambda args: args)
+        given = {**MEGATRON, "enable_zero_bubble": False, "zero_bubble_v_schedule": True, **fields}
+        return raised(lambda: validate(argparse.Namespace(**given)))
+
+    return trigger
 
 
 def no_megatron_lm(monkeypatch) -> str:
@@ -336,9 +340,12 @@ CASES = [
     ("resume with the same parallel sizes, chunk count and optimizer kind", checkpoint_layout),
     # --megatron-lm
     (
-        "zb-v needs the V-shape model placement (the first pipeline rank holds both the embedding and the loss), which "
-        "Megatron-LM cannot build",
-        v_on_megatron_lm,
+        "zb-v places its layer blocks itself (v placement: rank 0 holds layer blocks 0 and 7 of 8)",
+        v_on_megatron_lm(pipeline_model_parallel_layout="E|(t|)*14,t|tL"),
+    ),
+    (
+        "zb-v on Megatron-LM needs --num-layers divisible by 8",
+        v_on_megatron_lm(num_layers=14, allow_padding_num_layers=True),
     ),
     ("--megatron-lm needs a Megatron-LM checkout", no_megatron_lm),
     # planning

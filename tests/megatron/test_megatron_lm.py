@@ -7,6 +7,9 @@ read (megatron/training/arguments.py, core_v0.16.1 to main): it copies ``num_lay
 included, or the other way round when only ``--encoder-num-layers`` is given (T5). The older
 stand-in takes ``pretrain(datasets, model_provider, ...)`` and parses inside (Megatron-LM <= 0.17);
 the newer one ``pretrain(cfg_container, ...)`` after ``parse_and_validate_args()`` (>= 0.18).
+Like the real one, it derives ``virtual_pipeline_model_parallel_size`` from the virtual-stage
+flags or ``--pipeline-model-parallel-layout`` and leaves it None without them; a V schedule gets
+its two chunks per rank from megatron-zb's check, which runs right after.
 tests/megatron/test_real_megatron_lm.py runs the real thing.
 """
 
@@ -29,8 +32,10 @@ def parse(extra_args_provider, defaults):
     parser = argparse.ArgumentParser()
     for flag in ("--pipeline-model-parallel-size", "--micro-batch-size", "--global-batch-size"):
         parser.add_argument(flag, type=int, default=1)
-    for flag in ("--num-layers", "--encoder-num-layers", "--decoder-num-layers", "--seq-length"):
+    for flag in ("--num-layers", "--encoder-num-layers", "--decoder-num-layers", "--seq-length",
+                 "--num-virtual-stages-per-pipeline-rank"):
         parser.add_argument(flag, type=int, default=None)
+    parser.add_argument("--pipeline-model-parallel-layout", default=None)
     extra_args_provider(parser)
     args = parser.parse_args(sys.argv[1:])
     for key, value in (defaults or {}).items():
@@ -52,7 +57,8 @@ def pretrain(datasets, model_provider, model_type, forward_step, args_defaults=N
     print(json.dumps({"runner": getattr(runner, "name", None), "provider": model_provider(),
                       "datasets_distributed": datasets.is_distributed, "step": forward_step.__name__,
                       "defaults": args_defaults, "embedding_ranks": get_embedding_ranks([0, 3]),
-                      "encoder_num_layers": args.encoder_num_layers}))
+                      "encoder_num_layers": args.encoder_num_layers,
+                      "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size}))
 """
 
 PRETRAIN_CONFIG = """
@@ -68,7 +74,8 @@ def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forwa
     print(json.dumps({"runner": getattr(runner, "name", None), "config": cfg_container["model"],
                       "datasets_distributed": train_valid_test_dataset_provider.is_distributed,
                       "step": forward_step_func.__name__, "embedding_ranks": get_embedding_ranks([0, 3]),
-                      "encoder_num_layers": args.encoder_num_layers}))
+                      "encoder_num_layers": args.encoder_num_layers,
+                      "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size}))
 """
 
 ARGUMENTS = """
@@ -99,6 +106,13 @@ def validate_args(args, defaults=None):
         args.num_layers = args.encoder_num_layers
     if args.seq_length is not None:
         args.encoder_seq_length = args.seq_length
+    if args.pipeline_model_parallel_layout is not None:
+        stages = args.pipeline_model_parallel_layout.count("|") + 1
+        args.virtual_pipeline_model_parallel_size = stages // args.pipeline_model_parallel_size
+    else:
+        args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank
+    if args.virtual_pipeline_model_parallel_size == 1:
+        args.virtual_pipeline_model_parallel_size = None
     return args
 """
 
@@ -169,6 +183,7 @@ def test_pretrain_runs_our_schedule_with_the_scripts_providers(checkout: Path, b
         "defaults": {"tokenizer_type": "GPT2BPETokenizer"},
         "embedding_ranks": [0, 3],
         "encoder_num_layers": 8,  # validate_args copies --num-layers, for GPT too
+        "virtual_pipeline_model_parallel_size": None,
     }
 
 
@@ -183,13 +198,38 @@ def test_config_container_pretrain_gets_what_pretrain_gpt_builds(config_checkout
         "step": "forward_step",
         "embedding_ranks": [0, 3],
         "encoder_num_layers": 8,
+        "virtual_pipeline_model_parallel_size": None,
     }
+
+
+@pytest.mark.parametrize("flags", ["--zero-bubble-v-schedule", "--pipeline-schedule v-half"])
+@pytest.mark.parametrize("container", [False, True], ids=["pretrain-parses", "config-container"])
+def test_v_schedule_gets_two_chunks_per_rank(
+    checkout: Path, config_checkout: Path, flags: str, container: bool
+) -> None:
+    """Megatron-LM left virtual_pipeline_model_parallel_size None; get_model then builds one chunk per rank."""
+    done = launch(f"{SHAPE} {flags}", config_checkout if container else checkout)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["runner"] == flags.split()[-1].replace("--zero-bubble-v-schedule", "zb-v")
+    assert found["virtual_pipeline_model_parallel_size"] == 2
 
 
 @pytest.mark.parametrize(
     "flags, words",
     [
-        ("--zero-bubble-v-schedule", ["zb-v", "V-shape", "is_pipeline_first_stage", "megatron-zb train"]),
+        (
+            "--zero-bubble-v-schedule --pipeline-model-parallel-layout E|t|t|t|t|t|t|t|tL",
+            [
+                "zb-v places its layer blocks itself (v placement: rank 0 holds layer blocks 0 and 7 of 8)",
+                "--pipeline-model-parallel-layout lays layers out by megatron's looping placement",
+                "drop it",
+            ],
+        ),
+        (
+            "--zero-bubble-v-schedule --num-layers 14 --allow-padding-num-layers",
+            ["Megatron-LM needs --num-layers divisible by 8", "[1, 2, 2, 2, 2, 2, 2, 1]", "megatron-zb train"],
+        ),
         ("--pipeline-schedule zb-h1 --num-layers 6", ["--num-layers 6", "4 or 8"]),
     ],
 )

@@ -5,8 +5,11 @@ or main on Python 3.12), skipped otherwise; its pure-Python dependencies come fr
 ``pip install 'megatron-zb[megatron-lm]'``. Every case is one ``megatron-zb train --megatron-lm
 PATH --cpu`` launch (pretrain() owns its process): a tiny GPT (fp32, dropout 0, gradient clipping
 on) trains 10 iterations on pp=2 and the losses of each schedule equal megatron-core's 1F1B to
-1e-5 relative. ``MEGATRON_LM_USE_INSTALLED=1`` runs the installed megatron-core's own
-``megatron/training`` (the wheel ships it from 0.17 on) with only the checkout's scripts.
+1e-5 relative. V schedules build other layers on each rank than 1F1B does, so Megatron-LM's
+per-rank random initialisation differs: they and their 1F1B reference run with
+``--zero-bubble-placement-independent-init`` (every weight drawn from the seed and its name).
+``MEGATRON_LM_USE_INSTALLED=1`` runs the installed megatron-core's own ``megatron/training`` (the
+wheel ships it from 0.17 on) with only the checkout's scripts.
 """
 
 from __future__ import annotations
@@ -30,18 +33,28 @@ MODEL = (
     "--tokenizer-type NullTokenizer --vocab-size 128 --pipeline-model-parallel-size 2 --hidden-dropout 0 "
     "--attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 10 --seed 1234 --clip-grad 0.05"
 )
+SAME_INIT = "--zero-bubble-placement-independent-init"
 CASES = {
     "1f1b": "",  # megatron-core's own schedule: the reference
     "zb-1p": "--enable-zero-bubble",
     "zb-2p": "--enable-zero-bubble --zero-bubble-max-pending-backward 4",
     "post-validation": "--enable-zero-bubble --enable-optimizer-post-validation",
+    # V: the embedding and the loss on rank 0; reference: megatron-core's 1F1B from the same weights
+    "1f1b-same-init": SAME_INIT,
+    "zb-v": f"--zero-bubble-v-schedule {SAME_INIT}",
+    "v-min": f"--pipeline-schedule v-min {SAME_INIT}",
+    "zb-v-post-validation": f"--zero-bubble-v-schedule --enable-optimizer-post-validation {SAME_INIT}",
+    # tensor parallelism: rank 0's loss chunk needs labels on both tensor-parallel ranks
+    "1f1b-tp2": f"--tensor-model-parallel-size 2 {SAME_INIT}",
+    "zb-v-tp2": f"--tensor-model-parallel-size 2 --zero-bubble-v-schedule {SAME_INIT}",
 }
+SAVED = ("zb-1p", "zb-v")  # saved at iteration 5 (and 10)
 
 
 def launch(flags: str, metrics: Path, *extra: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "megatron_zb.pretrain_gpt", "--megatron-lm", CHECKOUT, "--cpu"]
     command += [*MODEL.split(), *flags.split(), "--metrics-file", str(metrics), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=420)
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
 def losses(metrics: Path) -> dict[int, float]:
@@ -52,7 +65,7 @@ def losses(metrics: Path) -> dict[int, float]:
 @cache
 def trained(case: str, tmp: Path) -> dict[int, float]:
     metrics = tmp / f"{case}.jsonl"
-    save = ("--save", str(tmp / f"{case}-ckpt"), "--save-interval", "5") if case == "zb-1p" else ()
+    save = ("--save", str(tmp / f"{case}-ckpt"), "--save-interval", "5") if case in SAVED else ()
     done = launch(CASES[case], metrics, "--train-iters", str(ITERATIONS), *save)
     assert done.returncode == 0, done.stderr[-4000:]
     return losses(metrics)
@@ -77,19 +90,35 @@ def test_losses_equal_megatron_cores_1f1b(tmp: Path, case: str) -> None:
     assert_close(trained(case, tmp), reference)
 
 
-def test_resume_from_iteration_5_reproduces_6_to_10(tmp: Path) -> None:
-    reference = trained("1f1b", tmp)
-    trained("zb-1p", tmp)  # saved at iteration 5 (and 10)
-    checkpoint = tmp / "zb-1p-ckpt"
+@pytest.mark.parametrize("case", ["zb-v", "v-min", "zb-v-post-validation"])
+def test_v_losses_equal_megatron_cores_1f1b_from_the_same_weights(tmp: Path, case: str) -> None:
+    reference = trained("1f1b-same-init", tmp)
+    assert sorted(reference) == list(range(1, ITERATIONS + 1))
+    assert reference[ITERATIONS] < reference[1]
+    assert_close(trained(case, tmp), reference)
+
+
+def test_v_with_tensor_parallelism_equals_megatron_cores_1f1b(tmp: Path) -> None:
+    reference = trained("1f1b-tp2", tmp)
+    assert reference[ITERATIONS] < reference[1]
+    assert_close(trained("zb-v-tp2", tmp), reference)
+
+
+@pytest.mark.parametrize("case, reference_case", [("zb-1p", "1f1b"), ("zb-v", "1f1b-same-init")])
+def test_resume_from_iteration_5_reproduces_6_to_10(tmp: Path, case: str, reference_case: str) -> None:
+    reference = trained(reference_case, tmp)
+    trained(case, tmp)  # saved at iteration 5 (and 10)
+    checkpoint = tmp / f"{case}-ckpt"
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("5")
-    metrics = tmp / "resumed.jsonl"
-    done = launch(CASES["zb-1p"], metrics, "--train-iters", str(ITERATIONS), "--load", str(checkpoint))
+    metrics = tmp / f"{case}-resumed.jsonl"
+    done = launch(CASES[case], metrics, "--train-iters", str(ITERATIONS), "--load", str(checkpoint))
     assert done.returncode == 0, done.stderr[-4000:]
     assert_close(losses(metrics), {it: loss for it, loss in reference.items() if it > 5})
 
 
-def test_v_schedule_is_refused_before_pretrain(tmp: Path) -> None:
-    done = launch("--zero-bubble-v-schedule", tmp / "v.jsonl", "--train-iters", "1")
+def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: Path) -> None:
+    flags = "--zero-bubble-v-schedule --pipeline-model-parallel-layout E|t|t|tL"
+    done = launch(flags, tmp / "v-layout.jsonl", "--train-iters", "1")
     assert done.returncode != 0
-    assert "zb-v needs the V-shape model placement" in done.stderr
-    assert not (tmp / "v.jsonl").exists()
+    assert "zb-v places its layer blocks itself" in done.stderr, done.stderr[-4000:]
+    assert not (tmp / "v-layout.jsonl").exists()

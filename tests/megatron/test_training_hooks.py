@@ -1,6 +1,6 @@
 """install() hooks Megatron-LM's training loop for post-validation; without the flag it changes nothing.
 
-Megatron-LM is not installed here: a stand-in ``megatron.training.training`` holds the four
+Megatron-LM is not installed here: a stand-in ``megatron.training.training`` holds the five
 functions under Megatron-LM's names. The reductions record that they ran (a real one is an
 all-reduce across pipeline stages), the optimizer factory returns a marker object.
 """
@@ -44,7 +44,11 @@ def training(monkeypatch: pytest.MonkeyPatch):
         module.calls.append("all-reduce max")
         return value
 
+    def finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        module.calls.append("finalize")
+
     for function in (
+        finalize_model_grads,
         get_megatron_optimizer,
         get_optimizer_param_scheduler,
         logical_and_across_model_parallel_group,
@@ -61,7 +65,8 @@ def test_without_the_flag_every_call_reaches_megatron_lm(training) -> None:
     training.get_optimizer_param_scheduler(training.get_megatron_optimizer("config", []))
     assert training.logical_and_across_model_parallel_group(True) is True
     assert training.reduce_max_stat_across_model_parallel_group(2.5) == 2.5
-    assert training.calls == ["optimizer", "scheduler", "all-reduce and", "all-reduce max"]
+    training.finalize_model_grads([], None, force_all_reduce=True)  # chunks of megatron's placement: nothing else
+    assert training.calls == ["optimizer", "scheduler", "all-reduce and", "all-reduce max", "finalize"]
 
 
 def test_with_post_validation_the_step_statistics_stay_local(training) -> None:
@@ -69,6 +74,16 @@ def test_with_post_validation_the_step_statistics_stay_local(training) -> None:
     assert training.logical_and_across_model_parallel_group(False) is False
     assert training.reduce_max_stat_across_model_parallel_group(None) is None
     assert training.calls == [], "a cross-stage all-reduce ran after the step"
+
+
+def test_uninstall_puts_megatron_lms_functions_back(training) -> None:
+    from megatron_zb.megatron import patching
+
+    originals = {name: getattr(training, name) for name in HOOKED}
+    hook_training_loop(lambda: None)
+    assert all(getattr(training, name) is not originals[name] for name in HOOKED)
+    patching.undo()
+    assert all(getattr(training, name) is originals[name] for name in HOOKED)
 
 
 def test_hooking_twice_wraps_once(training) -> None:

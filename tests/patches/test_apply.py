@@ -281,10 +281,21 @@ def test_patched_script_installs_and_parses_both_providers(
     assert initialize.validate_args is checked and checked.megatron_zb_checked
 
 
+def test_patched_script_gives_a_v_schedule_two_chunks_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stand_in: dict
+) -> None:
+    """Megatron-LM's validate_args leaves no virtual stages; megatron-zb's check sets the V's two."""
+    run_patched(tmp_path, monkeypatch, [*SHAPE, "--zero-bubble-v-schedule"])
+    assert stand_in["args"].virtual_pipeline_model_parallel_size == 2
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--zero-bubble-v-schedule"], ["zb-v", "V-shape", "megatron-zb train"]),
+        (
+            ["--zero-bubble-v-schedule", "--num-layers", "14", "--allow-padding-num-layers"],
+            ["zb-v on Megatron-LM needs --num-layers divisible by 8", "megatron-zb train"],
+        ),
         (["--zero-bubble-max-pending-backward", "4"], ["--zero-bubble-max-pending-backward needs"]),
     ],
 )

@@ -1,0 +1,254 @@
+"""Megatron-LM's own training loop on a placement that megatron does not build itself (the V).
+
+Megatron-LM decides with ``is_pipeline_first_stage``/``is_pipeline_last_stage`` and the
+(pp stage, vp stage) predicates which chunk gets the embedding and the loss, which chunks load
+data and which ranks hold the tied embedding copies. All of it assumes megatron's looping
+placement (block ``vp * pp + rank``). When the schedule's placement maps blocks otherwise (V:
+rank r holds blocks r and 2p-1-r, embedding and loss both on rank 0), these hooks give
+Megatron-LM's code the placement's answers:
+
+- ``prepare_args`` (after ``validate_args``): one model chunk per (rank, chunk) of the placement
+  (``virtual_pipeline_model_parallel_size``); megatron's own layout flags are refused.
+- ``GPTModel.__init__``: the chunk's config gets the placement's layer layout
+  (``PlacementLayerLayout``, in place) and pre/post process follow its block.
+- ``initialize_model_parallel``: the embedding group holds the ranks with a word-embedding copy
+  (V: rank 0 alone, so megatron's tied-gradient all-reduce is skipped).
+- ``is_first_or_last_pipeline_stage(vp_stage)``: the chunks holding the first or the last block
+  load data (V: both chunks of rank 0).
+- ``get_batch_on_this_tp_rank``: every tensor is broadcast over the tensor-parallel ranks (the
+  pipeline-first rule would drop the labels that rank 0's loss chunk needs).
+- ``prepare_chunks`` (before the optimizer is built): the output copy of a tied embedding starts
+  as the embedding, and ``Float16Module`` casts on the embedding and the loss chunk.
+- ``finalize_model_grads`` (Megatron-LM's): the two local copies' gradients are summed.
+
+The runtime already ships the loss dicts to the last pipeline rank (which logs) and sums the
+token count over the pipeline. Each hook is recorded in ``patching`` and calls Megatron's own
+function unless Megatron-LM's arguments select such a placement or the chunk carries its layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+
+from ..schedule.placement import Placement
+from . import patching
+from .layer_split import layers_per_block
+
+# Megatron-LM's layout flags, which place layers by its looping mapping (flag, args field).
+MEGATRON_LAYOUT_FLAGS = (
+    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
+    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+)
+
+
+def uses_megatron_mapping(placement: Placement) -> bool:
+    """Does megatron-core's own (rank, vp stage) -> block mapping match this placement?"""
+    pp = placement.pp
+    return all(
+        placement.blocks[block] == (block % pp, placement.chunk_base + block // pp)
+        for block in range(placement.num_stages)
+    )
+
+
+def foreign_placement(placement: Placement | None) -> Placement | None:
+    """``placement`` when megatron's own (rank, vp stage) -> block mapping is not it, else None."""
+    return None if placement is None or uses_megatron_mapping(placement) else placement
+
+
+def prepare_args(args: argparse.Namespace, placement: Placement, schedule: str) -> None:
+    """Megatron-LM's parsed arguments for ``placement``; ValueError for flags that cannot work with it.
+
+    Runs right after Megatron-LM's ``validate_args``, before any process group exists.
+    """
+    if foreign_placement(placement) is None:
+        return
+    given = [flag for flag, field in MEGATRON_LAYOUT_FLAGS if getattr(args, field, None)]
+    if given:
+        raise ValueError(
+            f"{schedule} places its layer blocks itself ({placement.kind} placement: {_blocks_text(placement)}); "
+            f"{', '.join(given)} {'lays' if len(given) == 1 else 'lay'} layers out by megatron's looping placement "
+            f"(block = virtual stage x pipeline size + rank): drop {'it' if len(given) == 1 else 'them'}"
+        )
+    layers = layers_per_block(args.num_layers, placement, bool(getattr(args, "allow_padding_num_layers", False)))
+    if len(set(layers)) > 1:
+        even = 2 * placement.num_stages
+        raise ValueError(
+            f"--allow-padding-num-layers: Megatron-LM builds its TransformerConfig with --num-layers split evenly "
+            f"over the {placement.num_stages} layer blocks before megatron-zb places them, so {schedule} on "
+            f"Megatron-LM needs --num-layers divisible by {placement.num_stages} (e.g. {even}); uneven blocks "
+            f"{layers} run with `megatron-zb train`"
+        )
+    args.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
+
+
+def _blocks_text(placement: Placement) -> str:
+    """Where the rank 0 chunks sit, e.g. 'rank 0 holds layer blocks 0 and 7'."""
+    blocks = [str(placement.stage_of(0, placement.chunk_base + chunk)) for chunk in range(placement.chunks)]
+    listed = ", ".join(blocks[:-1]) + " and " + blocks[-1] if len(blocks) > 1 else blocks[0]
+    return f"rank 0 holds layer blocks {listed} of {placement.num_stages}"
+
+
+def install() -> None:
+    """Hook megatron-core's GPTModel and initialize_model_parallel, and Megatron-LM's data helpers when loaded."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    patching.hook(GPTModel, "__init__", _gpt_model_init)
+    patching.hook(parallel_state, "initialize_model_parallel", _initialize_model_parallel)
+    if "megatron.training" not in sys.modules:
+        return
+    owners = [sys.modules.get("megatron.training.utils"), sys.modules.get("megatron.core.utils")]
+    for owner in [owner for owner in owners if owner is not None]:
+        patching.hook(owner, "is_first_or_last_pipeline_stage", _data_stage, everywhere=True)
+        patching.hook(owner, "get_batch_on_this_tp_rank", _tp_batch, everywhere=True)
+
+
+def active_placement() -> Placement | None:
+    """The placement Megatron-LM's arguments select, when megatron cannot build it itself."""
+    from .install import megatron_lm_settings
+
+    settings = megatron_lm_settings()
+    return foreign_placement(settings.placement if settings is not None else None)
+
+
+def chunks_placement(chunks: list) -> Placement | None:
+    """The foreign placement the chunks were built for (their config's PlacementLayerLayout), else None."""
+    from .layout import PlacementLayerLayout
+
+    if not chunks:
+        return None
+    layout = getattr(_config_of(chunks[0]), "pipeline_model_parallel_layout", None)
+    return foreign_placement(layout.placement) if isinstance(layout, PlacementLayerLayout) else None
+
+
+def _config_of(chunk):
+    while not hasattr(chunk, "config") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return getattr(chunk, "config", None)
+
+
+def _gpt_model_init(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        ends = _chunk_ends(bound.arguments)
+        if ends is not None:
+            bound.arguments["pre_process"], bound.arguments["post_process"] = ends
+        return original(*bound.args, **bound.kwargs)
+
+    return __init__
+
+
+def _chunk_ends(arguments: dict) -> tuple[bool, bool] | None:
+    """(pre_process, post_process) of the chunk being built, from its block; None to keep megatron's."""
+    from .gpt_model import pipeline_rank, use_placement_layout
+    from .layout import PlacementLayerLayout
+
+    config, vp_stage = arguments.get("config"), arguments.get("vp_stage")
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    placement = layout.placement if isinstance(layout, PlacementLayerLayout) else active_placement()
+    if placement is None or vp_stage is None:
+        return None
+    use_placement_layout(config, placement)  # sets the layout in place, or checks the one set
+    block = placement.stage_of(pipeline_rank(arguments.get("pg_collection")), placement.chunk_base + vp_stage)
+    return block == 0, block == placement.num_stages - 1
+
+
+def _initialize_model_parallel(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args, **kwargs):
+        from .gpt_model import embedding_ranks
+
+        placement = active_placement()
+        if placement is None:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["get_embedding_ranks"] = embedding_ranks(placement)
+        return original(*bound.args, **bound.kwargs)
+
+    return initialize_model_parallel
+
+
+def _data_stage(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def is_first_or_last_pipeline_stage(vp_stage, *args, **kwargs):
+        from .gpt_model import pipeline_rank
+
+        placement = active_placement()
+        if placement is None or vp_stage is None:
+            return original(vp_stage, *args, **kwargs)
+        block = placement.stage_of(pipeline_rank(None), placement.chunk_base + vp_stage)
+        return block in (0, placement.num_stages - 1)
+
+    return is_first_or_last_pipeline_stage
+
+
+def _tp_batch(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+    takes_mtp = "mtp_on_this_rank" in signature.parameters
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args, **kwargs):
+        if active_placement() is None:
+            return original(*args, **kwargs)
+        if not takes_mtp:
+            raise NotImplementedError(
+                "this Megatron-LM's get_batch_on_this_tp_rank has no mtp_on_this_rank argument, through which "
+                "megatron-zb broadcasts the whole batch to every tensor-parallel rank of a chunk that needs both "
+                "tokens and labels; run this placement with --tensor-model-parallel-size 1 or `megatron-zb train`"
+            )
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["mtp_on_this_rank"] = True  # the branch that broadcasts every tensor
+        return original(*bound.args, **bound.kwargs)
+
+    return get_batch_on_this_tp_rank
+
+
+def prepare_chunks(chunks: list) -> None:
+    """Before Megatron-LM builds the optimizer: what its model building leaves undone for the placement.
+
+    With ``--zero-bubble-placement-independent-init`` every parameter is first re-drawn from
+    (``--seed``, its name in the unpipelined model), whatever the placement and schedule.
+    """
+    from .install import megatron_lm_args
+
+    args = megatron_lm_args()
+    if chunks and args is not None and getattr(args, "zero_bubble_placement_independent_init", False):
+        from .init import placement_independent_init
+
+        placement_independent_init(chunks, _config_of(chunks[0]), args.seed)
+    placement = chunks_placement(chunks)
+    if placement is None:
+        return
+    from .gpt_model import fix_float16_output_cast, pipeline_rank, tie_local_copies
+
+    rank = pipeline_rank(None)
+    tie_local_copies(chunks, placement, rank)  # megatron's init all-reduce has no second rank to copy from
+    fix_float16_output_cast(chunks, placement, rank)
+
+
+def tied_finalize(original: Callable) -> Callable:
+    """Megatron-LM's ``finalize_model_grads``, then the sum of the tied copies one rank holds."""
+
+    @functools.wraps(original)
+    def finalize_model_grads(model, num_tokens=None, *args, **kwargs):
+        from .gpt_model import pipeline_rank, sum_tied_embedding_grads
+
+        result = original(model, num_tokens, *args, **kwargs)
+        placement = chunks_placement(list(model))
+        if placement is not None:
+            sum_tied_embedding_grads(list(model), placement, pipeline_rank(kwargs.get("pg_collection")))
+        return result
+
+    return finalize_model_grads
