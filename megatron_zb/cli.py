@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from .compare import Comparison, compare
+from .compare import compare
 from .schedule.costs import CostModel
 from .schedule.costs_file import load_costs
 from .schedule.ir import Schedule, ScheduleError
 from .schedule.iterations import IterationsTimeline, simulate_iterations
+from .schedule.lower import DataParallel, lower
 from .schedule.registry import ScheduleSpec, build, get, names
 from .schedule.schedule_file import load_schedule, refuse_other_setting
 from .schedule.simulate import Timeline, simulate
@@ -63,6 +64,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_ints(text: str) -> list[int]:
+    values = [_positive_int(item) for item in text.split(",")]
+    return sorted(set(values))
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _non_negative_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -96,6 +112,41 @@ def _add_setting_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--mem-b", type=_numbers, help="freed by B, negative (default -0.5)")
     memory.add_argument("--mem-w", type=_numbers, help="freed by W, negative (default -0.5)")
     memory.add_argument("--memory-limit", type=_limit, help="per-rank activation memory limit, > 0 (default: none)")
+    dp = parser.add_argument_group(
+        "data parallelism: given any of these, schedules are lowered with each chunk's gradient reduction "
+        "(and with --zero3 its weight gathers) and simulated with them"
+    )
+    dp.add_argument(
+        "--cost-dp",
+        type=_numbers,
+        help="time of one gather or gradient reduction of a full stage's weights (default 0)",
+    )
+    dp.add_argument(
+        "--mem-param",
+        type=_numbers,
+        help="memory of a full stage's gathered weights while gathered, in the memory unit above (default 0)",
+    )
+    dp.add_argument(
+        "--zero3",
+        action="store_true",
+        help="ZeRO-3: gather a chunk's weights before each run of its passes and release them after it",
+    )
+    dp.add_argument(
+        "--prefetch",
+        type=_non_negative_int,
+        help="with --zero3: issue each gather this many compute passes before its first use (default 1)",
+    )
+    bf = parser.add_argument_group("breadth-first schedules")
+    bf.add_argument(
+        "--breadth-first-micro-batches",
+        type=_positive_int,
+        help="microbatches per breadth-first group (default: all); must divide --microbatches",
+    )
+    bf.add_argument(
+        "--depth-first-micro-batches",
+        type=_positive_int,
+        help="breadth-first groups run one after the other (default 1): --microbatches = breadth x depth",
+    )
     parser.add_argument(
         "--post-validation",
         action="store_true",
@@ -151,7 +202,17 @@ def _add_compare_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--format", choices=("text", "json"), default="text", help="default: text")
     out.add_argument("-o", "--output", help="write to this file instead of standard output")
     out.add_argument(
-        "--plot", metavar="FILE", help="also draw bubble vs peak memory: FILE.svg, or FILE.png (needs rsvg-convert)"
+        "--plot",
+        metavar="FILE",
+        help="also draw bubble vs peak memory (with --sweep: efficiency vs microbatches): FILE.svg, or FILE.png "
+        "(needs rsvg-convert)",
+    )
+    parser.add_argument(
+        "--sweep",
+        type=_positive_ints,
+        metavar="M1,M2,...",
+        help="simulate every schedule at each of these microbatch counts instead of --microbatches and print its "
+        "efficiency (1 - makespan bubble) per count: iteration time against batch per GPU",
     )
 
 
@@ -182,6 +243,41 @@ def make_parser() -> argparse.ArgumentParser:
 
 _UNIT_COSTS = {"cost_f": (1.0,), "cost_b": (1.0,), "cost_w": (1.0,), "cost_comm": 0.0}
 _MEMORY = {"mem_f": (1.0,), "mem_b": (-0.5,), "mem_w": (-0.5,)}
+_DATA_PARALLEL = {"cost_dp": (0.0,), "mem_param": (0.0,)}
+
+
+def _breadth_first(args: argparse.Namespace, microbatches: int) -> int | None:
+    """Microbatches per breadth-first group, from either knob (both: they must multiply to the microbatches)."""
+    breadth, depth = (
+        getattr(args, "breadth_first_micro_batches", None),
+        getattr(args, "depth_first_micro_batches", None),
+    )
+    if depth is not None and microbatches % depth:
+        raise ScheduleError(
+            f"--depth-first-micro-batches {depth} must divide the microbatches ({microbatches}): "
+            "microbatches = breadth-first x depth-first micro-batches"
+        )
+    if breadth is not None and depth is not None and breadth * depth != microbatches:
+        raise ScheduleError(
+            f"--breadth-first-micro-batches {breadth} x --depth-first-micro-batches {depth} = {breadth * depth}, "
+            f"not the {microbatches} microbatches; give one of them, or two that multiply to it"
+        )
+    if breadth is None and depth is not None:
+        return microbatches // depth
+    return breadth
+
+
+def data_parallel(args: argparse.Namespace) -> DataParallel | None:
+    """How to lower the schedules for the data-parallel flags; None without any of them."""
+    if getattr(args, "prefetch", None) is not None and not args.zero3:
+        raise ScheduleError("--prefetch applies to the weight gathers of --zero3; add --zero3 or drop --prefetch")
+    given = [name for name in _DATA_PARALLEL if getattr(args, name, None) is not None] + (
+        ["zero3"] if getattr(args, "zero3", False) else []
+    )
+    if not given:
+        return None
+    prefetch = 1 if args.prefetch is None else args.prefetch
+    return DataParallel(gather="windows" if args.zero3 else "none", prefetch=prefetch)
 
 
 def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec:
@@ -194,9 +290,13 @@ def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec
     flags = {
         name: default if getattr(args, name) is None else getattr(args, name) for name, default in _UNIT_COSTS.items()
     }
-    flags.update(
-        {name: default if getattr(args, name) is None else getattr(args, name) for name, default in _MEMORY.items()}
-    )
+    for defaults in (_MEMORY, _DATA_PARALLEL):
+        flags.update(
+            {
+                name: default if getattr(args, name) is None else getattr(args, name)
+                for name, default in defaults.items()
+            }
+        )
     costs = CostModel(args.pp, **{name.replace("cost_", "t_"): value for name, value in flags.items()})
     return ScheduleSpec(
         args.pp,
@@ -206,6 +306,7 @@ def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec
         args.memory_limit,
         refine_seconds,
         getattr(args, "post_validation", False),
+        _breadth_first(args, args.microbatches),
     )
 
 
@@ -227,6 +328,9 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
     if microbatches is None:
         raise ScheduleError(f"give --microbatches: --costs-from {args.costs_from} does not record them")
     memory = {name: getattr(args, name) for name in _MEMORY if getattr(args, name) is not None}
+    memory.update(
+        {name.replace("cost_", "t_"): getattr(args, name) for name in _DATA_PARALLEL if getattr(args, name) is not None}
+    )
     costs = replace(measured.costs, **memory)
     limit = args.memory_limit if args.memory_limit is not None else measured.memory_limit
     chunks = args.chunks
@@ -235,7 +339,14 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
         if chunks is None and args.schedule == measured.schedule and measured.chunks != 1:
             chunks = measured.chunks
     return ScheduleSpec(
-        costs.pp, microbatches, chunks, costs, limit, refine_seconds, getattr(args, "post_validation", False)
+        costs.pp,
+        microbatches,
+        chunks,
+        costs,
+        limit,
+        refine_seconds,
+        getattr(args, "post_validation", False),
+        _breadth_first(args, microbatches),
     )
 
 
@@ -245,7 +356,9 @@ def plan_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
     spec = _spec(args, args.refine_seconds)
     if args.schedule is None:
         raise ScheduleError("give --schedule NAME (see `megatron-zb list`)")
-    return build(args.schedule, spec), spec.costs
+    schedule = build(args.schedule, spec)
+    lowering = data_parallel(args)
+    return (schedule if lowering is None else lower(schedule, lowering)), spec.costs
 
 
 def _file_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
@@ -316,11 +429,8 @@ def _plot_suffix(path: str) -> str:
     return suffix
 
 
-def _plot(comparison: Comparison, path: str) -> None:
-    """Write the Pareto plot as SVG, or as PNG through rsvg-convert; ScheduleError if that cannot work."""
-    from .render.pareto import render_pareto_svg
-
-    svg = render_pareto_svg(comparison)
+def _plot(svg: str, path: str) -> None:
+    """Write a plot as SVG, or as PNG through rsvg-convert; ScheduleError if that cannot work."""
     if _plot_suffix(path) == ".svg":
         try:
             Path(path).write_text(svg, encoding="utf-8")
@@ -386,10 +496,38 @@ def _iterations_dict(drawn: IterationsTimeline, runs: dict[bool, IterationsTimel
 
 
 def run_compare(args: argparse.Namespace) -> None:
-    comparison = compare(_spec(args))
+    if args.sweep:
+        run_sweep(args)
+        return
+    comparison = compare(_spec(args), data_parallel(args))
     text = json.dumps(comparison.to_dict()) if args.format == "json" else comparison.to_text().rstrip("\n")
     if args.plot:
-        _plot(comparison, args.plot)
+        from .render.pareto import render_pareto_svg
+
+        _plot(render_pareto_svg(comparison), args.plot)
+    _write(text, args.output)
+
+
+def run_sweep(args: argparse.Namespace) -> None:
+    from .sweep import sweep
+
+    if args.microbatches is not None:
+        raise ScheduleError("--sweep gives the microbatch counts; drop --microbatches")
+    args.microbatches = max(args.sweep)
+    spec = _spec(args)
+    for m in args.sweep:  # the breadth-first knobs must fit every count
+        _breadth_first(args, m)
+    lowering = data_parallel(args)
+    label = f"pp={spec.pp}" + ("" if spec.chunks is None else f" chunks={spec.chunks}")
+    if lowering is not None:
+        label += f" data-parallel cost {','.join(f'{v:g}' for v in set(spec.cost_model().t_dp))}"
+        label += " ZeRO-3" if lowering.gather == "windows" else ""
+    result = sweep(spec, args.sweep, lowering, label)
+    text = json.dumps(result.to_dict()) if args.format == "json" else result.to_text().rstrip("\n")
+    if args.plot:
+        from .render.sweep_svg import render_sweep_svg
+
+        _plot(render_sweep_svg(result), args.plot)
     _write(text, args.output)
 
 

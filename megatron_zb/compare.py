@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from .schedule import comm
 from .schedule.costs import CostModel
 from .schedule.ir import ScheduleError
+from .schedule.lower import DataParallel, lower
 from .schedule.registry import ScheduleSpec, build, get, names
 from .schedule.simulate import Timeline, simulate
 
@@ -183,8 +184,11 @@ def _sort_key(row: Row) -> tuple:
     return (round(row.bubble_rate, 9), round(row.max_peak, 9), row.name)
 
 
-def compare(spec: ScheduleSpec) -> Comparison:
-    """Build and simulate every non-composite registered schedule for ``spec``'s setting."""
+def compare(spec: ScheduleSpec, data_parallel: DataParallel | None = None) -> Comparison:
+    """Build and simulate every non-composite registered schedule for ``spec``'s setting.
+
+    With ``data_parallel`` each schedule is lowered with its data-parallel actions first.
+    """
     if spec.memory_limit is not None and not math.isfinite(spec.memory_limit):
         raise ScheduleError(
             f"--memory-limit must be a finite number (leave it out for no limit), got {spec.memory_limit}"
@@ -196,7 +200,8 @@ def compare(spec: ScheduleSpec) -> Comparison:
         if get(name).composite:
             continue
         try:
-            timeline = simulate(build(name, spec), costs)
+            schedule = build(name, spec)
+            timeline = simulate(schedule if data_parallel is None else lower(schedule, data_parallel), costs)
         except ScheduleError as error:
             reason = str(error).strip().splitlines()
             refused.append(Row(name, refused=reason[0] if reason else type(error).__name__))

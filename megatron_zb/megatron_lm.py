@@ -211,6 +211,12 @@ def _checked(validate_args):
             settings = schedule_settings(found if found is not None else args)
             if settings is not None and settings.costs_file:
                 writable_file("--zero-bubble-save-costs", settings.costs_file)
+            if settings is not None and len(settings.placements) > 1:
+                raise ValueError(
+                    f"{settings.schedule} runs {len(settings.placements)} pipelines in opposite directions; "
+                    "Megatron-LM's "
+                    "get_model builds one: run it with `megatron-zb train` (megatron-zb's own training loop)"
+                )
             if settings is not None:
                 prepare_args(found if found is not None else args, settings.placement, settings.schedule)
         except ValueError as error:

@@ -9,6 +9,8 @@ worker, verify's copies, a launcher called from Python) piles them up: on 0.19, 
 
 from __future__ import annotations
 
+import gc
+
 
 def destroy_model_parallel() -> int:
     """megatron-core's ``destroy_model_parallel()``, then every process group but the default one.
@@ -35,9 +37,13 @@ def destroy_process_groups() -> int:
         return 0
     world = dist.group.WORLD
     groups = [group for group in list(dist.distributed_c10d._world.pg_map) if group is not world]
-    for group in groups:
-        dist.destroy_process_group(group)
-    return len(groups)
+    count = len(groups)
+    while groups:
+        dist.destroy_process_group(groups.pop())
+    # A group's threads and sockets go only with its last reference; models, optimizers and
+    # runners that held it often sit in reference cycles, which only the cycle collector frees.
+    gc.collect()
+    return count
 
 
 def process_group_count() -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..schedule import Schedule, ScheduleError, ScheduleSpec, names
 from ..schedule.placement import Placement
+from ..schedule.registry import get
 from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
 from ..training.checks import check_zero_bubble_numbers, refuse_zero_bubble_settings
 from .layer_split import layers_per_block
@@ -36,6 +37,12 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--zero-bubble-v-schedule",
         action="store_true",
         help="run a V-shape schedule (two model chunks per rank); implies --enable-zero-bubble",
+    )
+    group.add_argument(
+        "--enable-bitpipe-schedule",
+        action="store_true",
+        help="run BitPipe (two mirrored V pipelines, each block's weights on two ranks; BitPipe's own flag): "
+        "--pipeline-schedule bitpipe",
     )
     group.add_argument(
         "--zero-bubble-v-schedule-mem-setup",
@@ -116,6 +123,22 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "microbatch's activations of a full stage (1F1B needs the pipeline size)",
     )
     group.add_argument(
+        "--breadth-first-micro-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="breadth-first schedules: microbatches per breadth-first group (default: all of them); each group "
+        "passes through a model chunk before the next chunk runs",
+    )
+    group.add_argument(
+        "--depth-first-micro-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="breadth-first schedules: how many breadth-first groups run one after the other (default 1); "
+        "microbatches = breadth-first x depth-first micro-batches",
+    )
+    group.add_argument(
         "--zero-bubble-p2p-timeout",
         type=float,
         default=600.0,
@@ -190,12 +213,16 @@ class ZeroBubbleSettings:
     post_validation: bool
     post_validation_rollback: str
     p2p_timeout_s: float
+    breadth_first_microbatches: int | None = None  # breadth-first families: microbatches per group
+    placements: tuple[Placement, ...] = ()  # every pipe's (BitPipe: two); () means (placement,)
+    shared: tuple = ()  # blocks kept twice (Schedule.shared)
 
 
 def enabled(args: argparse.Namespace) -> bool:
     return bool(
         getattr(args, "enable_zero_bubble", False)
         or getattr(args, "zero_bubble_v_schedule", False)
+        or getattr(args, "enable_bitpipe_schedule", False)
         or getattr(args, "pipeline_schedule", None)
     )
 
@@ -216,8 +243,21 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     microbatches = _microbatches(args)
     _refuse_unsupported_models(args)
     post_validation = _post_validation(args)
+    group = _breadth_first_group(args, microbatches)
+    if group is not None and (name.startswith(FILE_PREFIX) or "breadth_first_microbatches" not in get(name).options):
+        raise ValueError(
+            f"--breadth-first-micro-batches/--depth-first-micro-batches have no effect on --pipeline-schedule {name}; "
+            f"they group the microbatches of {', '.join(_breadth_first_schedules())}"
+        )
     try:
-        spec = ScheduleSpec(pp, microbatches, chunks, memory_limit=memory_limit, post_validation=post_validation)
+        spec = ScheduleSpec(
+            pp,
+            microbatches,
+            chunks,
+            memory_limit=memory_limit,
+            post_validation=post_validation,
+            breadth_first_microbatches=group,
+        )
         if name.startswith(FILE_PREFIX):
             _refuse_other_setting(args, name, microbatches, chunks)
         schedule = build_schedule(name, spec)
@@ -225,6 +265,11 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
     pad = bool(getattr(args, "allow_padding_num_layers", False))
     check_layers(args.num_layers, schedule, pad)
+    if schedule.shared and post_validation:
+        raise ValueError(
+            f"--pipeline-schedule {name} keeps two copies of each block, whose gradients are summed inside the "
+            "iteration: --enable-optimizer-post-validation does not support it yet; drop one of them"
+        )
     return ZeroBubbleSettings(
         schedule=name,
         memory_limit=memory_limit,
@@ -237,6 +282,9 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         post_validation=post_validation,
         post_validation_rollback=getattr(args, "optimizer_post_validation_rollback", "exact"),
         p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
+        breadth_first_microbatches=group,
+        placements=schedule.placements,
+        shared=schedule.shared,
     )
 
 
@@ -254,6 +302,28 @@ def _refuse_other_setting(args: argparse.Namespace, name: str, microbatches: int
         "chunks": ("--virtual-pipeline-model-parallel-size", chunks),
     }
     refuse_other_setting("the file", schedule, asked)
+
+
+def _breadth_first_schedules() -> list[str]:
+    return [name for name in names() if "breadth_first_microbatches" in get(name).options]
+
+
+def _breadth_first_group(args: argparse.Namespace, microbatches: int) -> int | None:
+    """Microbatches per breadth-first group from either flag; checked against the microbatches per iteration."""
+    breadth = getattr(args, "breadth_first_micro_batches", None)
+    depth = getattr(args, "depth_first_micro_batches", None)
+    for flag, value in (("--breadth-first-micro-batches", breadth), ("--depth-first-micro-batches", depth)):
+        if value is not None and (value < 1 or microbatches % value):
+            raise ValueError(
+                f"{flag} {value} must be a divisor of the {microbatches} microbatches per iteration "
+                "(global batch / (micro batch x data-parallel size)): microbatches = breadth-first x depth-first"
+            )
+    if breadth is not None and depth is not None and breadth * depth != microbatches:
+        raise ValueError(
+            f"--breadth-first-micro-batches {breadth} x --depth-first-micro-batches {depth} = {breadth * depth}, "
+            f"not the {microbatches} microbatches per iteration; give one of them, or two that multiply to it"
+        )
+    return breadth if breadth is not None else (microbatches // depth if depth is not None else None)
 
 
 def _post_validation(args: argparse.Namespace) -> bool:
@@ -313,7 +383,14 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
         raise ValueError(
             "--zero-bubble-memory-limit and --zero-bubble-max-pending-backward both set a memory limit; give one"
         )
-    if getattr(args, "zero_bubble_v_schedule", False):
+    if getattr(args, "enable_bitpipe_schedule", False):
+        if getattr(args, "zero_bubble_v_schedule", False) or getattr(args, "enable_zero_bubble", False):
+            raise ValueError(
+                "--enable-bitpipe-schedule selects BitPipe; drop --enable-zero-bubble/--zero-bubble-v-schedule, or "
+                "use --pipeline-schedule bitpipe-zb for BitPipe with the backward split"
+            )
+        implied = "bitpipe"
+    elif getattr(args, "zero_bubble_v_schedule", False):
         implied = V_MEMORY_SETUPS[args.zero_bubble_v_schedule_mem_setup]
         if pending is not None:
             raise ValueError(
@@ -331,12 +408,13 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
     if chosen is not None and implied is not None and chosen != implied:
         raise ValueError(
             f"--pipeline-schedule {chosen} conflicts with the reference flags, which select {implied}; "
-            f"drop --enable-zero-bubble/--zero-bubble-v-schedule or choose --pipeline-schedule {implied}"
+            f"drop --enable-zero-bubble/--zero-bubble-v-schedule/--enable-bitpipe-schedule or choose "
+            f"--pipeline-schedule {implied}"
         )
     name = chosen or implied
-    if limit is not None and name not in ("zb-auto", "v-auto", "auto"):
+    if limit is not None and name not in ("zb-auto", "v-auto", "auto", "bitpipe-zb"):
         raise ValueError(
-            f"--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto), "
+            f"--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto, bitpipe-zb), "
             f"not to {name}; drop it or choose one of those"
         )
     return name, limit
@@ -429,6 +507,10 @@ def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
         raise ValueError("--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto")
     if getattr(args, "zero_bubble_v_schedule_mem_setup", "zb") != "zb":
         raise ValueError("--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule")
+    for flag in ("breadth_first_micro_batches", "depth_first_micro_batches"):
+        if getattr(args, flag, None) is not None:
+            choices = " or ".join(_breadth_first_schedules())
+            raise ValueError(f"--{flag.replace('_', '-')} needs --pipeline-schedule {choices}")
     if getattr(args, "enable_optimizer_post_validation", False):
         raise ValueError(
             "--enable-optimizer-post-validation needs a megatron-zb schedule (--enable-zero-bubble, "

@@ -106,6 +106,31 @@ def build_gpt_chunks(
     return chunks
 
 
+def build_pipes(config, placements: tuple[Placement, ...], rank: int, shared=(), **kwargs) -> list:
+    """This rank's chunks of every pipe, pipe by pipe (one placement: ``build_gpt_chunks``).
+
+    Each pipe gets its own copy of ``config`` with its own layer layout (two pipes place the
+    same layers differently). Of two copies of a block (``shared``, as ``Schedule.shared``) the
+    later pipe's parameters are marked ``shared``: the gradient norm counts each weight once.
+    """
+    if len(placements) == 1:
+        return build_gpt_chunks(config, placements[0], rank, **kwargs)
+    import copy
+
+    chunks, replicas = [], {later for _, later in shared}
+    for pipe, placement in enumerate(placements):
+        pipe_config = copy.copy(config)
+        pipe_config.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
+        pipe_config.pipeline_model_parallel_layout = None
+        built = build_gpt_chunks(pipe_config, placement, rank, **kwargs)
+        for index, chunk in enumerate(built):
+            if (pipe, placement.stage_of(rank, placement.chunk_base + index)) in replicas:
+                for param in chunk.parameters():
+                    param.shared = True
+        chunks += built
+    return chunks
+
+
 def _spec_for(spec, vp_stage: int | None):
     """A spec, or a function of vp_stage returning one (block specs differ per chunk)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -205,7 +230,9 @@ def _check_embedding_group(placement: Placement) -> None:
     expected = sorted(_embedding_ranks(placement, pp_ranks))
     group = parallel_state.get_embedding_group(check_initialized=False)
     actual = sorted(dist.get_process_group_ranks(group)) if group is not None else None
-    if actual != (expected if dist.get_rank() in expected else None):
+    # both copies on one rank: fine while megatron's embedding all-reduce pairs this rank with no other
+    local = len(expected) == 1 and (actual is None or len(actual) == 1)
+    if not local and actual != (expected if dist.get_rank() in expected else None):
         raise ValueError(
             f"the embedding group is {actual} on rank {dist.get_rank()}, but the {placement.kind} placement "
             f"keeps the tied embedding copies on ranks {expected}: initialise megatron-core with "
@@ -267,7 +294,9 @@ def _grad_attribute(param: torch.nn.Parameter) -> str:
     return "main_grad" if getattr(param, "main_grad", None) is not None else "grad"
 
 
-def tied_embedding_finalize(finalize_model_grads_func: Callable | None, placement: Placement) -> Callable:
+def tied_embedding_finalize(
+    finalize_model_grads_func: Callable | None, placement: Placement | tuple[Placement, ...]
+) -> Callable:
     """``finalize_model_grads_func`` that also sums the two tied-embedding copies a V rank holds.
 
     The sum runs after megatron's finalize: its data-parallel reduction has then finished
@@ -276,10 +305,15 @@ def tied_embedding_finalize(finalize_model_grads_func: Callable | None, placemen
     distributed optimizer each copy sits alone in its bucket, so both hold the same shard.
     """
 
+    placements = placement if isinstance(placement, tuple) else (placement,)
+
     def finalize(model: list, num_tokens=None, *args, **kwargs) -> None:
         if finalize_model_grads_func is not None:
             finalize_model_grads_func(model, num_tokens, *args, **kwargs)
-        sum_tied_embedding_grads(model, placement, pipeline_rank(kwargs.get("pg_collection")))
+        rank, offset = pipeline_rank(kwargs.get("pg_collection")), 0
+        for pipe in placements:  # each pipe's chunks follow the pipes before it in the model list
+            sum_tied_embedding_grads(model[offset : offset + pipe.chunks], pipe, rank)
+            offset += pipe.chunks
 
     return finalize
 

@@ -133,6 +133,7 @@ def runner_for(settings: ZeroBubbleSettings):
             losses_to_last_rank=True,
             replan=window,
             post_validation=settings.post_validation,
+            breadth_first_microbatches=settings.breadth_first_microbatches,
         )
     return _runners[settings]
 

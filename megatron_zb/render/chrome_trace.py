@@ -1,8 +1,10 @@
 """Chrome / Perfetto trace of a simulated timeline (open in ui.perfetto.dev or chrome://tracing).
 
 One process, one thread per rank, one complete event per pass at its simulated time, and a
-counter track per rank of activation memory. Trace times are microseconds, so simulated time
-is multiplied by ``time_unit_us`` (the default reads one simulated unit as one millisecond).
+counter track per rank of activation memory. Data-parallel collectives of a rank go on a thread
+of their own (``COLLECTIVES_TID + rank``), releases of gathered weights are instant events.
+Trace times are microseconds, so simulated time is multiplied by ``time_unit_us`` (the default
+reads one simulated unit as one millisecond).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..schedule.actions import Stream, spec
 from ..schedule.simulate import PassTime, Timeline
 
 PID = 0
+COLLECTIVES_TID = 1000  # + rank: the track of a rank's data-parallel collectives
 
 
 def metadata_events(name: str, num_ranks: int) -> list[dict[str, Any]]:
@@ -26,9 +30,34 @@ def metadata_events(name: str, num_ranks: int) -> list[dict[str, Any]]:
     return events
 
 
+def collective_track(rank: int) -> list[dict[str, Any]]:
+    """The named track of a rank's data-parallel collectives, sorted under the rank's own."""
+    tid = COLLECTIVES_TID + rank
+    return [
+        {"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": f"rank {rank} collectives"}},
+        {"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": rank + 0.5}},
+    ]
+
+
 def pass_event(t: PassTime, unit: float) -> dict[str, Any]:
     """One pass as a complete event; ``unit`` converts its times to microseconds."""
     p = t.pass_
+    stream = spec(p.kind).stream
+    if not p.kind.is_compute:
+        event = {
+            "ph": "i" if stream is Stream.HOST else "X",
+            "pid": PID,
+            "tid": t.rank if stream is Stream.HOST else COLLECTIVES_TID + t.rank,
+            "name": str(p),
+            "cat": p.kind.value,
+            "ts": t.start * unit,
+            "args": {"stage": p.stage, "chunk": t.chunk, "occurrence": p.microbatch, "pipe": p.pipe},
+        }
+        if stream is Stream.HOST:
+            event["s"] = "t"
+        else:
+            event["dur"] = (t.end - t.start) * unit
+        return event
     return {
         "ph": "X",
         "pid": PID,
@@ -57,8 +86,15 @@ def render_chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0) -> dic
     """The trace event JSON object; ``json.dumps`` it to get a loadable file."""
     s = timeline.schedule
     passes = [pass_event(t, time_unit_us) for rank in timeline.ranks for t in rank]
+    tracks = [
+        event
+        for rank, ranked in enumerate(timeline.ranks)
+        if any(spec(t.pass_.kind).stream is Stream.COLLECTIVE for t in ranked)
+        for event in collective_track(rank)
+    ]
     return {
         "traceEvents": metadata_events(timeline.schedule.name, len(timeline.ranks))
+        + tracks
         + passes
         + _memory(timeline, time_unit_us),
         "displayTimeUnit": "ms",

@@ -1,7 +1,8 @@
 """SVG timeline (one lane per rank, one rect per pass) and a self-contained HTML report.
 
 Only pass rects are ``<rect>`` elements (legend swatches are paths), so the rect count of a
-drawing is its pass count. Every rect carries a ``<title>``, which browsers show on hover.
+drawing is its count of passes that take time. Every rect carries a ``<title>``, which browsers
+show on hover. A rank with data-parallel collectives gets a second, thinner lane for them.
 The HTML page inlines the SVG without a namespace URL, so it names no outside resource at all.
 """
 
@@ -9,12 +10,11 @@ from __future__ import annotations
 
 from html import escape
 
-from ..schedule.ir import PassKind
+from ..schedule.actions import SPECS, Stream, spec
 from ..schedule.simulate import PassTime, Timeline
 
-COLORS = {PassKind.F: "#5b8def", PassKind.B: "#f2a541", PassKind.W: "#5cb85c", PassKind.BW: "#b07cd8"}
-NAMES = {PassKind.F: "F forward", PassKind.B: "B input grad", PassKind.W: "W weight grad", PassKind.BW: "BW fused B+W"}
 LEFT, RIGHT, TOP, LANE, GAP, BOTTOM = 70, 20, 64, 28, 6, 36  # layout, in pixels
+COLLECTIVE_LANE = 14
 MIN_PASS_PX, MIN_CHART_PX, MAX_CHART_PX = 22, 400, 1600
 _NS = ' xmlns="http://www.w3.org/2000/svg"'
 
@@ -51,14 +51,14 @@ def tooltip(t: PassTime) -> str:
     )
 
 
-def _pass(t: PassTime, x: float, width: float, y: float, chunks: int) -> list[str]:
-    fill = _shade(COLORS[t.pass_.kind], t.chunk, chunks)
+def _pass(t: PassTime, x: float, width: float, y: float, chunks: int, height: float = LANE) -> list[str]:
+    fill = _shade(spec(t.pass_.kind).color, t.chunk, chunks)
     out = [
-        f'<rect class="pass {t.pass_.kind.value}" x="{_px(x)}" y="{_px(y)}" width="{_px(width)}" height="{LANE}" '
+        f'<rect class="pass {t.pass_.kind.value}" x="{_px(x)}" y="{_px(y)}" width="{_px(width)}" height="{height}" '
         f'fill="{fill}"><title>{escape(tooltip(t))}</title></rect>'
     ]
-    label = str(t.pass_.microbatch)
-    if width >= 7 * len(label) + 4:
+    label = str(t.pass_.microbatch) if t.pass_.kind.is_compute else f"s{t.pass_.stage}"
+    if height == LANE and width >= 7 * len(label) + 4:
         out.append(f'<text class="mb" x="{_px(x + width / 2)}" y="{_px(y + LANE / 2 + 4)}">{label}</text>')
     return out
 
@@ -78,13 +78,15 @@ def _axis(origin: float, span: float, scale: float, y: float) -> list[str]:
     return out
 
 
-def _legend(chunks: int) -> tuple[list[str], float]:
-    """The legend elements and where they end (x)."""
+def _legend(chunks: int, kinds: set) -> tuple[list[str], float]:
+    """The legend elements and where they end (x): every compute kind, the other kinds drawn."""
     out, x = [], LEFT
-    for kind, name in NAMES.items():
-        out.append(f'<path class="swatch" d="M{x} 34h12v12h-12z" fill="{COLORS[kind]}"/>')
-        out.append(f'<text class="legend" x="{x + 16}" y="44">{escape(name)}</text>')
-        x += 16 + 7 * len(name) + 18
+    for kind, action in SPECS.items():
+        if not (action.compute or (kind in kinds and action.stream is Stream.COLLECTIVE)):
+            continue
+        out.append(f'<path class="swatch" d="M{x} 34h12v12h-12z" fill="{action.color}"/>')
+        out.append(f'<text class="legend" x="{x + 16}" y="44">{escape(action.title)}</text>')
+        x += 16 + 7 * len(action.title) + 18
     if chunks > 1:
         note = "lighter = later model chunk"
         out.append(f'<text class="legend" x="{x}" y="44">{note}</text>')
@@ -113,9 +115,11 @@ def _svg(timeline: Timeline, namespace: bool) -> str:
     origin = min((t.start for rank in timeline.ranks for t in rank), default=0.0)
     span = timeline.makespan
     scale = _scale(timeline, span)
-    axis_y = TOP + len(timeline.ranks) * (LANE + GAP)
+    lanes = [any(spec(t.pass_.kind).stream is Stream.COLLECTIVE for t in rank) for rank in timeline.ranks]
+    axis_y = TOP + len(timeline.ranks) * (LANE + GAP) + sum(lanes) * (COLLECTIVE_LANE + GAP)
     title = header(timeline)
-    legend, legend_end = _legend(timeline.schedule.chunks)
+    kinds = {t.pass_.kind for rank in timeline.ranks for t in rank}
+    legend, legend_end = _legend(timeline.schedule.chunks, kinds)
     width = max(LEFT + span * scale, legend_end, LEFT + 7.5 * len(title)) + RIGHT  # text widths are estimates
     height = axis_y + BOTTOM
     body = [
@@ -126,12 +130,17 @@ def _svg(timeline: Timeline, namespace: bool) -> str:
         *legend,
         *_axis(origin, span, scale, axis_y),
     ]
+    y = TOP
     for rank, passes in enumerate(timeline.ranks):
-        y = TOP + rank * (LANE + GAP)
         body.append(f'<text class="rank" x="{LEFT - 8}" y="{_px(y + LANE / 2 + 4)}">rank {rank}</text>')
         for t in passes:
             x = LEFT + (t.start - origin) * scale
-            body.extend(_pass(t, x, (t.end - t.start) * scale, y, timeline.schedule.chunks))
+            if t.pass_.kind.is_compute:
+                body.extend(_pass(t, x, (t.end - t.start) * scale, y, timeline.schedule.chunks))
+            elif spec(t.pass_.kind).stream is Stream.COLLECTIVE and t.end > t.start:
+                below = y + LANE + GAP
+                body.extend(_pass(t, x, (t.end - t.start) * scale, below, 1, COLLECTIVE_LANE))
+        y += LANE + GAP + (COLLECTIVE_LANE + GAP if lanes[rank] else 0)
     body.append("</svg>")
     return "\n".join(body) + "\n"
 

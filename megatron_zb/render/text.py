@@ -2,7 +2,9 @@
 
 The scale is chosen so that every pass can show its full label (the shortest pass decides,
 usually an F or a W), and only shrinks when a ``width`` is given. A column belongs to the pass
-covering the column's midpoint, so rounding never makes two passes overlap.
+covering the column's midpoint, so rounding never makes two passes overlap. A rank with
+data-parallel collectives gets a second row for them (their own stream); releases take no
+time and are not drawn.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
-from ..schedule.ir import PassKind
+from ..schedule.actions import Stream, spec
 from ..schedule.simulate import PassTime, Timeline
 
 logger = logging.getLogger(__name__)
@@ -23,22 +25,24 @@ LEGEND = (
     "        lowercase: odd model chunk | - pass continues | . idle | narrow passes: F B W, X = BW",
 )
 
-_SHORT = {PassKind.F: "F", PassKind.B: "B", PassKind.W: "W", PassKind.BW: "X"}
-_ANSI = {PassKind.F: "\x1b[34m", PassKind.B: "\x1b[33m", PassKind.W: "\x1b[32m", PassKind.BW: "\x1b[35m"}
+COLLECTIVES_LEGEND = "        collectives row: U2 gathers stage 2's weights | R2 reduces its gradients"
 _RESET = "\x1b[0m"
 _NICE_STEPS = (1, 2, 5)
 
 
 def _label(t: PassTime) -> str:
-    return f"{t.pass_.kind.value}{t.pass_.microbatch}"
+    p = t.pass_
+    if not p.kind.is_compute:
+        return f"{spec(p.kind).short}{p.stage}"
+    return f"{p.kind.value}{p.microbatch}"
 
 
 def _cell_text(t: PassTime, columns: int) -> str:
     """The label that fits ``columns``, padded; odd chunks in lowercase."""
     kind = t.pass_.kind
-    text = next((c for c in (_label(t), kind.value, _SHORT[kind]) if len(c) <= columns), "")
+    text = next((c for c in (_label(t), kind.value, spec(kind).short) if len(c) <= columns), "")
     text = (text + PAD * columns)[:columns]
-    return text.lower() if t.chunk % 2 else text
+    return text.lower() if t.chunk % 2 and kind.is_compute else text
 
 
 def _scale(timeline: Timeline, span: float, chart_width: int | None) -> float:
@@ -46,6 +50,8 @@ def _scale(timeline: Timeline, span: float, chart_width: int | None) -> float:
     needs = [len(_label(t)) / (t.end - t.start) for rank in timeline.ranks for t in rank if t.end > t.start]
     scale = max(needs, default=1.0)
     limit = chart_width if chart_width is not None else MAX_COLUMNS
+    if span > 0 and not math.isfinite(limit / span):
+        return 1.0  # a span too short for floats to scale (subnormal costs): one column
     if span > 0 and span * scale > limit:
         logger.debug("text timeline scaled down from %.3g to %.3g columns per time unit", scale, limit / span)
         scale = limit / span
@@ -67,7 +73,7 @@ def _row(passes: tuple[PassTime, ...], origin: float, scale: float, columns: int
         if color:
             cells[first : last - 1] = text[:-1]
             cells[last - 1] = text[-1] + _RESET
-            cells[first] = _ANSI[t.pass_.kind] + cells[first]
+            cells[first] = spec(t.pass_.kind).ansi + cells[first]
         else:
             cells[first:last] = text
     return "".join(cells)
@@ -113,12 +119,18 @@ def render_text(timeline: Timeline, width: int | None = None, color: bool = Fals
     chart_width = None if width is None else max(width - prefix_width - 1, 1)
     scale = _scale(timeline, span, chart_width)
     columns = math.ceil(round(span * scale, 9))
-    lines = [
-        prefix + _row(passes, origin, scale, columns, color) + "|"
-        for prefix, passes in zip(prefixes, timeline.ranks, strict=True)
-    ]
+    lines = []
+    for prefix, passes in zip(prefixes, timeline.ranks, strict=True):
+        compute = tuple(t for t in passes if t.pass_.kind.is_compute)
+        collectives = tuple(t for t in passes if spec(t.pass_.kind).stream is Stream.COLLECTIVE)
+        lines.append(prefix + _row(compute, origin, scale, columns, color) + "|")
+        if collectives:
+            lane = "dp |".rjust(prefix_width)
+            lines.append(lane + _row(collectives, origin, scale, columns, color) + "|")
     lines.append(_axis(prefix_width, origin, span, scale, columns))
     lines.extend(LEGEND)
+    if any(not t.pass_.kind.is_compute for rank in timeline.ranks for t in rank):
+        lines.append(COLLECTIVES_LEGEND)
     lines.append("")
     lines.extend(_summary(timeline, scale))
     return "\n".join(lines) + "\n"

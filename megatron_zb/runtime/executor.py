@@ -3,8 +3,11 @@
 The executor knows passes, not schedules: the placement in the IR says which chunk runs a
 stage and whether a neighbouring stage lives on this rank (handed over locally, as at the V
 turn) or on another one (sent and received as ``comm.program`` derived). It dispatches on
-the kind of pass: F, B (input gradients, weight gradients queued), W (the queued work) and
-BW (both at once).
+the kind of pass: F, B (input gradients, weight gradients queued), W (the queued work), BW
+(both at once), and the data-parallel actions of a lowered schedule, which go to the
+data-parallel backend of the run (``runtime.dp``): UNSHARD (start gathering a chunk's weights;
+every pass that runs on them waits for the gather first), RESHARD (release them), REDUCE_GRAD
+(start the chunk's gradient reduction).
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..schedule import Pass, PassKind, Schedule, ScheduleError
+from ..schedule.actions import spec
 from ..schedule.comm import CommOp, CommStep, Message, program
 from . import steps
 from .activity import activity
+from .dp import DataParallelBackend
 from .p2p import PipeComm, Transfer
 from .te_wgrad import BackwardDwJob
 from .wgrad import WeightGradStore
@@ -36,7 +41,6 @@ class RankPlan:
     passes: tuple[Pass, ...]
     receives: tuple[tuple[Message, ...], ...]  # receives to have posted before each pass
     sends: tuple[tuple[Message, ...], ...]  # sends right after each pass
-    last_w_of_chunk: dict[int, int]  # chunk -> index of the pass that completes its weight gradients
     fused: frozenset[tuple[int, int, int]]  # (pipe, stage, microbatch) whose backward is one BW pass
 
 
@@ -57,8 +61,8 @@ class PrefixCheck:
 def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> RankPlan:
     _check_forward_order(schedule, rank)
     if forward_only:
-        orders = tuple(tuple(p for p in order if p.kind is PassKind.F) for order in schedule.orders)
-        schedule = Schedule(schedule.name, schedule.placements, schedule.microbatches, orders)
+        orders = tuple(tuple(p for p in order if not spec(p.kind).backward) for order in schedule.orders)
+        schedule = replace(schedule, orders=orders)
     passes, receives, sends, waiting = [], [], [], []
     for step in program(schedule)[rank]:
         if isinstance(step, CommStep):
@@ -71,12 +75,8 @@ def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> Rank
         receives.append(tuple(waiting))
         sends.append([])
         waiting = []
-    last_w = {}
-    for index, p in enumerate(passes):
-        if p.kind in (PassKind.W, PassKind.BW):
-            last_w[schedule.chunk_of(p)] = index
     fused = frozenset((p.pipe, p.stage, p.microbatch) for p in passes if p.kind is PassKind.BW)
-    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), last_w, fused)
+    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), fused)
 
 
 def _check_forward_order(schedule: Schedule, rank: int) -> None:
@@ -114,8 +114,7 @@ class Executor:
         dtype: torch.dtype,
         device: torch.device,
         forward_only: bool = False,
-        on_chunk_grads_done: Callable[[int], None] | None = None,
-        on_first_forward: Callable[[int], None] | None = None,
+        data_parallel: DataParallelBackend | None = None,
         profiler=None,
         receive_lookahead: int = 0,
         prefix_check: PrefixCheck | None = None,
@@ -124,8 +123,7 @@ class Executor:
         self.te_layers = te_layers
         self.shape, self.dtype, self.device = tensor_shape, dtype, device
         self.forward_only = forward_only
-        self.on_chunk_grads_done = on_chunk_grads_done
-        self.on_first_forward = on_first_forward
+        self.data_parallel = data_parallel
         self.profiler = profiler
         self.lookahead = receive_lookahead
         self.config = forward_ctx.config
@@ -148,6 +146,10 @@ class Executor:
             PassKind.B: self._backward,
             PassKind.W: self._weight,
             PassKind.BW: self._backward_weight,
+            PassKind.UNSHARD: self._unshard,
+            PassKind.RESHARD: self._reshard,
+            PassKind.REDUCE_GRAD: self._reduce_grad,
+            PassKind.REPLICA_SYNC: self._replica_sync,
         }
 
     def run(self) -> None:
@@ -166,14 +168,13 @@ class Executor:
                 activity.pass_started(p)  # for the watchdog: where this rank is
                 needed += len(plan.receives[index])
                 self._post(needed, ())
+                if self.data_parallel is not None and spec(p.kind).uses_weights:
+                    self.data_parallel.wait_unsharded(plan.schedule.chunk_of(p), str(p))
                 if self.profiler is not None:
                     self.profiler.run(p, plan.schedule.chunk_of(p), self._dispatch[p.kind], p, self._waited)
                 else:
                     self._dispatch[p.kind](p)
                 self._post(needed, plan.sends[index])
-                chunk = plan.schedule.chunk_of(p)
-                if self.on_chunk_grads_done is not None and plan.last_w_of_chunk.get(chunk) == index:
-                    self.on_chunk_grads_done(chunk)
                 index += 1
             if self.check is not None:  # a prefix that is the whole order: check at the end
                 self.check, check = None, self.check
@@ -248,8 +249,6 @@ class Executor:
         first = chunk not in self._started_chunks
         if first:
             self._started_chunks.add(chunk)
-            if self.on_first_forward is not None:
-                self.on_first_forward(chunk)
         # A microbatch whose backward is one BW pass runs megatron-core's own linears: W inline,
         # while the gradients are hot in cache, with no queue round trip.
         fused = (p.pipe, p.stage, p.microbatch) in self.plan.fused
@@ -293,6 +292,26 @@ class Executor:
     def _backward_weight(self, p: Pass) -> None:
         self._backward(p)
         self._weight(p)
+
+    # -- data-parallel actions ------------------------------------------------------------------
+    def _unshard(self, p: Pass) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.unshard(self.plan.schedule.chunk_of(p))
+
+    def _reshard(self, p: Pass) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.reshard(self.plan.schedule.chunk_of(p))
+
+    def _reduce_grad(self, p: Pass) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.reduce_grad(self.plan.schedule.chunk_of(p))
+
+    def _replica_sync(self, p: Pass) -> None:
+        if self.data_parallel is None:
+            raise ScheduleError(
+                f"{p}: a schedule with two copies of a block needs a data-parallel backend to sync them"
+            )
+        self.data_parallel.replica_sync(self.plan.schedule.chunk_of(p))
 
     def _check_empty(self) -> None:
         left = [("inbox", self.inbox), ("activations", self.stash), ("unsent outputs", self.produced)]

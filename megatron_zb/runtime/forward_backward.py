@@ -19,9 +19,12 @@ import torch.distributed as dist
 from ..compat import encoder_and_decoder_model_type, require_supported_megatron_core
 from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec
 from ..schedule.ir import parse_orders
+from ..schedule.lower import DataParallel, lower
 from ..schedule.schedule_file import build_schedule
 from ..schedule.speculation import Speculation, speculation
 from . import linear_split, steps
+from .dp import DataParallelBackend, backend_for
+from .dp.replicas import replica_groups
 from .executor import Executor, PrefixCheck, plan_rank
 from .p2p import DEFAULT_TIMEOUT_S, PipeComm
 from .profiler import NestedProfilers
@@ -47,7 +50,8 @@ class Groups:
 class ForwardBackward:
     """Runs ``schedule`` (a registered name, or ``file:PATH``) with megatron-core's forward_backward contract.
 
-    ``memory_limit``, ``costs``, ``chunks`` and ``post_validation`` are passed to the generator; ``timeout_s``
+    ``memory_limit``, ``costs``, ``chunks``, ``post_validation`` and ``breadth_first_microbatches`` are passed
+    to the generator; ``timeout_s``
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
     ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
     computes the loss (V placements), because Megatron-LM reads and logs them only there.
@@ -69,6 +73,7 @@ class ForwardBackward:
         losses_to_last_rank: bool = False,
         replan: ReplanWindow | None = None,
         post_validation: bool = False,
+        breadth_first_microbatches: int | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
@@ -76,6 +81,7 @@ class ForwardBackward:
         self.memory_limit, self.costs, self.chunks = memory_limit, costs, chunks
         self.refine_seconds = refine_seconds
         self.post_validation = post_validation
+        self.breadth_first_microbatches = breadth_first_microbatches
         self.timeout_s = timeout_s
         self.profiler = profiler
         self.receive_lookahead = receive_lookahead
@@ -84,7 +90,10 @@ class ForwardBackward:
         self._schedules: dict[tuple[int, int, int], Schedule] = {}
         self._placements: dict[int, tuple] = {}  # pp -> the first schedule's: the model chunks are built for it
         self._plans: dict[tuple, object] = {}
+        self._lowerings: dict[tuple, tuple[Schedule, Schedule]] = {}  # (id, dp) -> (schedule, lowered)
         self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
+        self.last_backend: DataParallelBackend | None = None  # the data-parallel backend of the latest call
+        self._replicas: dict | None = None  # chunk -> replica pair group (schedules that keep two copies)
         self._speculations: dict[int, Speculation] = {}
         self.redone_prefixes = 0  # iteration prefixes redone after a rolled-back optimizer step
 
@@ -94,14 +103,24 @@ class ForwardBackward:
         chunks = chunks if chunks is not None else self.chunks
         key = (pp, microbatches, chunks or 0)
         if key not in self._schedules:
-            spec = ScheduleSpec(
-                pp, microbatches, chunks, self.costs, self.memory_limit, self.refine_seconds, self.post_validation
-            )
+            spec = self._spec(pp, microbatches, chunks, self.costs)
             schedule = build_schedule(self.name, spec) if not self._broadcasts() or dist.get_rank() == 0 else None
             if self._broadcasts():
                 schedule = _broadcast_schedule(schedule)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _spec(self, pp: int, microbatches: int, chunks: int | None, costs: CostModel | None) -> ScheduleSpec:
+        return ScheduleSpec(
+            pp,
+            microbatches,
+            chunks,
+            costs,
+            self.memory_limit,
+            self.refine_seconds,
+            self.post_validation,
+            self.breadth_first_microbatches,
+        )
 
     @property
     def replan_report(self) -> ReplanReport | None:
@@ -116,6 +135,7 @@ class ForwardBackward:
         self.costs = costs
         self._schedules.clear()
         self._plans.clear()
+        self._lowerings.clear()
 
     # -- the forward_backward contract --------------------------------------------------------
     def __call__(
@@ -143,25 +163,32 @@ class ForwardBackward:
         _refuse_unsupported(config, models[0])
         groups = _groups(pg_collection)
         schedule = self._schedule_for_models(groups, num_microbatches, models)
+        backend = self.last_backend = backend_for(config, models)
+        if schedule.shared:
+            backend.replica_groups = self._replica_groups(schedule, groups.pp)
+        lowered = self._lowered(schedule, backend.lowering)
         shape = _tensor_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn)
         device = next(models[0].parameters()).device
         timer = self.replanner.begin(device) if self.replanner is not None and not forward_only else None
-        check = self._prefix_check(config, schedule, groups.pp.rank(), forward_only)
+        check = self._prefix_check(config, lowered, groups.pp.rank(), forward_only)
         if check is not None:
             iterators = [None if iterator is None else Replay(iterator) for iterator in iterators]
         linear_split.install()
         ctx = steps.ForwardContext(
             forward_step_func, iterators, models, num_microbatches, config, groups.cp_size, collect_non_loss_data
         )
+        ctx.partial_chunks = _partial_chunks(schedule, groups.pp.rank())
         if first_val_step is not None and forward_only:
             ctx.mark_first_microbatch = bool(first_val_step)
         timers = getattr(config, "timers", None)
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
         with _grad_sync_disabled(config, models, forward_only):
-            executor = self._executor(schedule, groups, ctx, shape, forward_only, timer, check)
+            executor = self._executor(lowered, groups, ctx, shape, forward_only, timer, check, backend)
             executor.run()
             self.redone_prefixes += executor.redone
+            backend.finish()
+        ctx.finish_reading()
         if not forward_only and config.finalize_model_grads_func is not None:
             num_tokens = _loss_rank_tokens(ctx, groups.pp, device) if config.calculate_per_token_loss else None
             config.finalize_model_grads_func(
@@ -180,15 +207,14 @@ class ForwardBackward:
         chunks = num_chunks if num_chunks > 1 else None
 
         def plan(costs: CostModel) -> Schedule:
-            m, limit = schedule.microbatches, self.memory_limit
-            spec = ScheduleSpec(schedule.pp, m, chunks, costs, limit, self.refine_seconds, self.post_validation)
-            return build_schedule(self.name, spec)
+            return build_schedule(self.name, self._spec(schedule.pp, schedule.microbatches, chunks, costs))
 
         chosen, self.costs = self.replanner.replan(
             schedule, self.costs, plan, pipeline, shape, dtype, self.memory_limit
         )
         self._schedules = {(schedule.pp, schedule.microbatches, chunks or 0): chosen}
         self._plans.clear()
+        self._lowerings.clear()
 
     def _schedule_for_models(self, groups: Groups, microbatches: int, models: list) -> Schedule:
         schedule = self.schedule_for(groups.pp.size(), microbatches, len(models) if len(models) > 1 else None)
@@ -228,6 +254,7 @@ class ForwardBackward:
         forward_only: bool,
         timer=None,
         check: PrefixCheck | None = None,
+        backend: DataParallelBackend | None = None,
     ):
         config, models = ctx.config, ctx.models
         profiler = self.profiler if self.profiler is not None and self.profiler.active else None
@@ -244,12 +271,24 @@ class ForwardBackward:
             config.pipeline_dtype or config.params_dtype,
             next(models[0].parameters()).device,
             forward_only=forward_only,
-            on_chunk_grads_done=None if forward_only else _grad_sync_starter(config, models),
-            on_first_forward=None if forward_only else _param_sync_starter(config, models),
+            data_parallel=backend,
             profiler=profiler,
             receive_lookahead=self._lookahead(groups.pp),
             prefix_check=check,
         )
+
+    def _replica_groups(self, schedule: Schedule, pipeline: dist.ProcessGroup) -> dict:
+        """The pair groups of the ranks holding two copies of a block, created once (collective)."""
+        if self._replicas is None:
+            self._replicas = replica_groups(schedule, pipeline)
+        return self._replicas
+
+    def _lowered(self, schedule: Schedule, data_parallel: DataParallel) -> Schedule:
+        """``schedule`` with the data-parallel actions of this run (cached: every call of a run lowers alike)."""
+        key = (id(schedule), data_parallel)
+        if key not in self._lowerings:  # the schedule is kept with it, so its id is not reused
+            self._lowerings[key] = (schedule, lower(schedule, data_parallel, self.costs))
+        return self._lowerings[key][1]
 
     def _plan(self, schedule: Schedule, rank: int, forward_only: bool):
         key = (id(schedule), rank, forward_only)
@@ -344,32 +383,6 @@ def _grad_sync_disabled(config, models: list, forward_only: bool):
         yield
 
 
-def _grad_sync_starter(config, models: list):
-    sync = config.grad_sync_func
-
-    def start(chunk: int) -> None:
-        if sync is not None:
-            (sync[chunk] if isinstance(sync, list) else sync)(models[chunk].parameters())
-            return
-        ddp_config = getattr(models[chunk], "ddp_config", None)
-        if ddp_config is not None and ddp_config.overlap_grad_reduce:
-            models[chunk].start_grad_sync()
-        # Without overlap, finalize_model_grads_func reduces synchronously (once) at the end.
-
-    return start
-
-
-def _param_sync_starter(config, models: list):
-    sync = config.param_sync_func
-    if sync is None:
-        return None
-
-    def start(chunk: int) -> None:
-        (sync[chunk] if isinstance(sync, list) else sync)(models[chunk].parameters())
-
-    return start
-
-
 def _loss_rank_tokens(ctx: steps.ForwardContext, pp: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     """Token count on every pipeline rank, whichever rank computed the loss.
 
@@ -382,20 +395,43 @@ def _loss_rank_tokens(ctx: steps.ForwardContext, pp: dist.ProcessGroup, device: 
     return tokens
 
 
+def _partial_chunks(schedule: Schedule, rank: int) -> frozenset[int]:
+    """This rank's chunks that run the forwards of only some of the microbatches (several pipes)."""
+    if len(schedule.placements) == 1:
+        return frozenset()
+    counts: dict[int, int] = {}
+    for p in schedule.orders[rank]:
+        if p.kind.value == "F":
+            counts[schedule.chunk_of(p)] = counts.get(schedule.chunk_of(p), 0) + 1
+    return frozenset(chunk for chunk, count in counts.items() if count < schedule.microbatches)
+
+
 def _ship_to_last_rank(store: list, schedule: Schedule, pp: dist.ProcessGroup, device: torch.device) -> list:
-    """Move the loss rank's forward data to the last pipeline rank ([] stays behind)."""
-    placement = schedule.placement
-    source, last = placement.rank_of(placement.num_stages - 1), pp.size() - 1
-    rank = pp.rank()
-    if source == last or rank not in (source, last):
+    """Move each pipe's loss-rank forward data to the last pipeline rank, in pipe order ([] stays behind).
+
+    Pipes carry consecutive microbatches (pipe 0 the first ones), so pipe order is microbatch order.
+    """
+    last, rank = pp.size() - 1, pp.rank()
+    sources = [placement.rank_of(placement.num_stages - 1) for placement in schedule.placements]
+    if rank not in (last, *sources) or all(source == last for source in sources):
         return store
-    payload = [_to_device(store, torch.device("cpu"))] if rank == source else [None]
-    peer = dist.get_global_rank(pp, last if rank == source else source)
-    if rank == source:
-        dist.send_object_list(payload, dst=peer, group=pp, device=_object_device(pp, device))
+    if rank != last:
+        peer = dist.get_global_rank(pp, last)
+        dist.send_object_list(
+            [_to_device(store, torch.device("cpu"))], dst=peer, group=pp, device=_object_device(pp, device)
+        )
         return []
-    dist.recv_object_list(payload, src=peer, group=pp, device=_object_device(pp, device))
-    return _to_device(payload[0], device)
+    gathered: dict[int, list] = {}
+    for source in dict.fromkeys(sources):
+        if source == last:
+            gathered[source] = store
+            continue
+        payload = [None]
+        dist.recv_object_list(
+            payload, src=dist.get_global_rank(pp, source), group=pp, device=_object_device(pp, device)
+        )
+        gathered[source] = _to_device(payload[0], device)
+    return [entry for source in dict.fromkeys(sources) for entry in gathered[source]]
 
 
 def _object_device(group: dist.ProcessGroup, device: torch.device) -> torch.device | None:

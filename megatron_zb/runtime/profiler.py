@@ -1,6 +1,7 @@
 """Measured pass times, turned into the simulator's cost model.
 
-While ``active``, every compute pass is timed (on a GPU the clock synchronises the device,
+While ``active``, every pass is timed (data-parallel actions too: the host time of issuing them,
+for traces; they are left out of the costs) (on a GPU the clock synchronises the device,
 so profile a few iterations, not the whole run). ``cost_model()`` averages the times over
 all pipeline ranks into per-stage T_F, T_B, T_W (the simulator's units: a full stage, 1/pp
 of the layers, whatever the placement) and measures T_comm with a ping-pong of one boundary
@@ -121,6 +122,8 @@ def stage_sums(records: list[PassRecord], schedule: Schedule) -> dict[tuple[str,
     """(kind, full stage) -> (sum of per-stage-scaled seconds, count) of ``records``."""
     sums: dict[tuple[str, int], tuple[float, int]] = {}
     for record in records:
+        if not record.pass_.kind.is_compute:
+            continue  # data-parallel actions: their host time is not a cost of the model
         placement = schedule.placements[record.pass_.pipe]
         stage = placement.full_stage(record.pass_.stage)
         seconds = (record.end - record.start) * placement.chunks

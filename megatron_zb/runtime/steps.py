@@ -30,14 +30,39 @@ class ForwardContext:
     forward_data_store: list = field(default_factory=list)
     num_tokens: torch.Tensor | None = None
     mark_first_microbatch: bool = True  # False on validation steps after the first (TE fp8 weight caching)
+    # chunks whose forwards run only some of the microbatches (BitPipe's pipes share the batch): their
+    # data iterators skip the batches of the others, so microbatch k reads the k-th batch as everywhere else
+    partial_chunks: frozenset[int] = frozenset()
+    _read: dict[int, int] = field(default_factory=dict)  # chunk -> batches its iterator gave this iteration
 
     def restart(self) -> None:
         """Start the iteration over: no losses kept, the data iterators read from their first item again."""
         self.forward_data_store.clear()
         self.num_tokens = None
+        self._read.clear()
         for iterator in self.data_iterators:
             if hasattr(iterator, "rewind"):
                 iterator.rewind()
+
+    def align(self, chunk: int, microbatch: int) -> None:
+        """Before ``chunk`` reads microbatch ``microbatch``: skip the batches of the microbatches it does not run."""
+        if chunk not in self.partial_chunks:
+            return
+        self._skip(chunk, microbatch - self._read.get(chunk, 0))
+        self._read[chunk] = microbatch + 1
+
+    def finish_reading(self) -> None:
+        """At the end of the iteration: every partial chunk's iterator has passed all the iteration's batches."""
+        for chunk in self.partial_chunks:
+            self._skip(chunk, self.num_microbatches - self._read.get(chunk, 0))
+        self._read.clear()
+
+    def _skip(self, chunk: int, count: int) -> None:
+        iterator = self.data_iterators[chunk]
+        if iterator is None:
+            return
+        for _ in range(count):
+            next(iterator)
 
 
 def unwrap(model: torch.nn.Module, attribute: str):
@@ -56,6 +81,7 @@ def forward(
     _set_current_microbatch(model, microbatch)
     set_input_tensor = unwrap(model, "set_input_tensor")
     set_input_tensor([input_tensor])
+    ctx.align(chunk, microbatch)
     autocast = (
         torch.autocast("cuda", dtype=config.autocast_dtype)
         if getattr(config, "enable_autocast", False)

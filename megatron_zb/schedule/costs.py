@@ -2,7 +2,9 @@
 
 Times and memory are given per full stage (1/pp of the layers) whatever the placement: a
 block holding 1/chunks of a stage costs 1/chunks of it. Memory is counted in one
-microbatch's activations of a full stage. T_comm is a latency per cross-rank edge.
+microbatch's activations of a full stage. T_comm is a latency per cross-rank edge. T_dp is the
+time of one data-parallel collective over a full stage's weights or gradients (a gather or a
+reduction), mem_param the memory a full stage's gathered weights take while gathered (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .ir import Pass, PassKind, ScheduleError
+from .actions import spec
+from .ir import Pass, ScheduleError
 from .placement import Placement
 
 PerStage = tuple[float, ...]
@@ -27,6 +30,8 @@ FLAGS = {
     "mem_f": "--mem-f",
     "mem_b": "--mem-b",
     "mem_w": "--mem-w",
+    "t_dp": "--cost-dp",
+    "mem_param": "--mem-param",
 }
 
 
@@ -66,16 +71,18 @@ class CostModel:
     mem_f: PerStage = field(default=(1.0,))
     mem_b: PerStage = field(default=(-0.5,))
     mem_w: PerStage = field(default=(-0.5,))
+    t_dp: PerStage = field(default=(0.0,))
+    mem_param: PerStage = field(default=(0.0,))
 
     def __post_init__(self) -> None:
         if isinstance(self.pp, bool) or not isinstance(self.pp, numbers.Integral) or self.pp < 1:
             raise ScheduleError(f"pp must be a whole number >= 1, got {self.pp!r}")
-        for name in ("t_f", "t_b", "t_w", "mem_f", "mem_b", "mem_w"):
+        for name in ("t_f", "t_b", "t_w", "mem_f", "mem_b", "mem_w", "t_dp", "mem_param"):
             object.__setattr__(self, name, _per_stage(name, getattr(self, name), self.pp))
-        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w"):
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w", "t_dp", "mem_param"):
             values = getattr(self, name)
             _check_finite(name, values if isinstance(values, tuple) else (values,))
-        for name in ("t_f", "t_b", "t_w"):
+        for name in ("t_f", "t_b", "t_w", "t_dp", "mem_param"):
             if any(v < 0 for v in getattr(self, name)):
                 raise ScheduleError(f"{_name(name)} must not be negative: {getattr(self, name)}")
         if self.t_comm < 0:
@@ -91,24 +98,10 @@ class CostModel:
                 )
 
     def duration(self, p: Pass, placement: Placement) -> float:
-        stage = placement.full_stage(p.stage)
-        per_stage = {
-            PassKind.F: self.t_f[stage],
-            PassKind.B: self.t_b[stage],
-            PassKind.W: self.t_w[stage],
-            PassKind.BW: self.t_b[stage] + self.t_w[stage],
-        }[p.kind]
-        return per_stage / placement.chunks
+        return spec(p.kind).time(self, placement.full_stage(p.stage)) / placement.chunks
 
     def memory_delta(self, p: Pass, placement: Placement) -> float:
-        stage = placement.full_stage(p.stage)
-        per_stage = {
-            PassKind.F: self.mem_f[stage],
-            PassKind.B: self.mem_b[stage],
-            PassKind.W: self.mem_w[stage],
-            PassKind.BW: -self.mem_f[stage],
-        }[p.kind]
-        return per_stage / placement.chunks
+        return spec(p.kind).memory(self, placement.full_stage(p.stage)) / placement.chunks
 
     def work_per_microbatch(self, stage: int) -> float:
         return self.t_f[stage] + self.t_b[stage] + self.t_w[stage]

@@ -1,8 +1,13 @@
-"""The schedule IR: compute passes on (stage, microbatch), ordered per rank.
+"""The schedule IR: actions on (stage, microbatch), ordered per rank.
 
-A schedule holds compute passes only. Which rank and model chunk run a stage comes from
-the placement; the communication between ranks is derived from the dependencies
-(see ``comm.py``), never written by a generator.
+Generators emit compute passes only (F, B, W, BW). Lowering passes (``lower.py``) add the
+data-parallel actions of a chunk: gather its weights (UNSHARD), release them (RESHARD), reduce
+its gradients (REDUCE_GRAD); for those, ``microbatch`` counts the action's occurrences on its
+stage (0 for the first); REPLICA_SYNC (average a block's gradients with its other copy, on the
+rank that holds it) where the schedule keeps two copies of a block. What each kind needs, costs
+and frees is stated once, in
+``actions.py``. Which rank and model chunk run a stage comes from the placement; point-to-point
+communication is derived from the dependencies (see ``comm.py``), never written by a generator.
 """
 
 from __future__ import annotations
@@ -23,17 +28,29 @@ class PassKind(str, Enum):
     B = "B"  # input-gradient backward (critical path)
     W = "W"  # weight-gradient backward (deferrable)
     BW = "BW"  # B and W fused, as in 1F1B
+    UNSHARD = "UNSHARD"  # gather the chunk's weights (data-parallel collective)
+    RESHARD = "RESHARD"  # release the gathered weights
+    REDUCE_GRAD = "REDUCE_GRAD"  # reduce the chunk's gradients (data-parallel collective)
+    REPLICA_SYNC = "REPLICA_SYNC"  # average the gradients of a block's two copies (with the rank holding the other)
 
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def is_compute(self) -> bool:
+        """A compute pass on (stage, microbatch); the others are per-stage actions added by lowering."""
+        return self in _COMPUTE
 
+
+_COMPUTE = frozenset({PassKind.F, PassKind.B, PassKind.W, PassKind.BW})
 _PASS_TEXT = re.compile(r"^(BW|F|B|W) s(\d+) mb(\d+)(?: d(\d+))?$")
+_ACTION_TEXT = re.compile(r"^(UNSHARD|RESHARD|REDUCE_GRAD|REPLICA_SYNC) s(\d+)(?: #(\d+))?(?: d(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
 class Pass:
-    """One compute pass. ``stage`` is the layer block in its pipe (0 .. pp*chunks-1)."""
+    """One action. ``stage`` is the layer block in its pipe (0 .. pp*chunks-1); ``microbatch`` is
+    the microbatch of a compute pass, and the occurrence (0, 1, ...) of a per-stage action."""
 
     kind: PassKind
     stage: int
@@ -42,15 +59,21 @@ class Pass:
 
     def __str__(self) -> str:
         suffix = f" d{self.pipe}" if self.pipe else ""
+        if not self.kind.is_compute:
+            occurrence = f" #{self.microbatch}" if self.microbatch else ""
+            return f"{self.kind.value} s{self.stage}{occurrence}{suffix}"
         return f"{self.kind.value} s{self.stage} mb{self.microbatch}{suffix}"
 
     @classmethod
     def parse(cls, text: str) -> Pass:
-        match = _PASS_TEXT.match(text.strip())
+        match = _PASS_TEXT.match(text.strip()) or _ACTION_TEXT.match(text.strip())
         if not match:
-            raise ValueError(f"cannot parse pass {text!r}; expected e.g. 'F s0 mb3' or 'BW s1 mb0 d1'")
+            raise ValueError(
+                f"cannot parse pass {text!r}; expected e.g. 'F s0 mb3', 'BW s1 mb0 d1', 'REDUCE_GRAD s2' "
+                "or 'UNSHARD s1 #1'"
+            )
         kind, stage, mb, pipe = match.groups()
-        return cls(PassKind(kind), int(stage), int(mb), int(pipe or 0))
+        return cls(PassKind(kind), int(stage), int(mb or 0), int(pipe or 0))
 
 
 def F(stage: int, microbatch: int, pipe: int = 0) -> Pass:
@@ -69,14 +92,23 @@ def BW(stage: int, microbatch: int, pipe: int = 0) -> Pass:
     return Pass(PassKind.BW, stage, microbatch, pipe)
 
 
+Block = tuple[int, int]  # (pipe, stage)
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank ordered compute passes over one or more placements (pipes)."""
+    """Per-rank ordered compute passes over one or more placements (pipes).
+
+    ``shared`` pairs blocks of different pipes that hold the same weights (BitPipe's mirrored
+    pipes): the two copies start equal and their gradients are averaged before every step, so
+    they stay equal (lowering adds the REPLICA_SYNC that does it).
+    """
 
     name: str
     placements: tuple[Placement, ...]
     microbatches: int
     orders: tuple[tuple[Pass, ...], ...]
+    shared: tuple[tuple[Block, Block], ...] = ()
 
     def __post_init__(self) -> None:
         pps = {placement.pp for placement in self.placements}
@@ -92,6 +124,23 @@ class Schedule:
                         f"{self.name}: rank {rank} chunk {chunk} is used by pipes {seen[rank, chunk]} and {pipe}"
                     )
                 seen[rank, chunk] = pipe
+        copies: dict[Block, Block] = {}
+        for pair in self.shared:
+            for block, other in (pair, pair[::-1]):
+                pipe, stage = block
+                if not (0 <= pipe < len(self.placements) and 0 <= stage < self.placements[pipe].num_stages):
+                    raise ScheduleError(f"{self.name}: shared block {block} is not a (pipe, stage) of the schedule")
+                if block == other or copies.setdefault(block, other) != other:
+                    raise ScheduleError(f"{self.name}: block {block} shares weights with more than one other block")
+
+    def replica(self, pipe: int, stage: int) -> Block | None:
+        """The other copy of (pipe, stage)'s weights, if the schedule keeps one."""
+        for first, second in self.shared:
+            if first == (pipe, stage):
+                return second
+            if second == (pipe, stage):
+                return first
+        return None
 
     @property
     def pp(self) -> int:

@@ -104,10 +104,15 @@ def _next_start(end: Sequence[float], t_comm: float, step_time: float, post_vali
 
 def repeat(schedule: Schedule, iterations: int, label: str = "") -> Schedule:
     """One schedule running ``iterations`` copies of the orders, microbatches offset by k*m."""
+    if any(not p.kind.is_compute for order in schedule.orders for p in order):
+        raise ScheduleError(
+            f"{schedule.name}: iterations back to back are simulated on the compute schedule; lower each "
+            "iteration's data-parallel actions separately"
+        )
     m = schedule.microbatches
     orders = tuple(
         tuple(replace(p, microbatch=p.microbatch + k * m) for k in range(iterations) for p in order)
         for order in schedule.orders
     )
     name = f"{schedule.name} x{iterations}" + (f" ({label})" if label else "")
-    return Schedule(name, schedule.placements, iterations * m, orders)
+    return replace(schedule, name=name, microbatches=iterations * m, orders=orders)

@@ -28,6 +28,8 @@ class ScheduleSpec:
     refine_seconds: float = 0.0  # automatic schedules: time for the optional solver refinement
     # iterations overlap (optimizer post-validation): ``auto`` ranks by stage span, else by makespan
     post_validation: bool = False
+    # breadth-first families: microbatches per group (None: all of them); m / group groups run in turn
+    breadth_first_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_limit is not None and not (math.isfinite(self.memory_limit) and self.memory_limit > 0):
@@ -45,18 +47,20 @@ class Generator:
     summary: str
     generate: Callable[[ScheduleSpec], Schedule] = field(compare=False)
     composite: bool = False  # picks among the other schedules (``auto``); skipped when listing alternatives
+    options: frozenset[str] = frozenset()  # optional ScheduleSpec fields it reads (a flag for others has no effect)
+    weight_copies: int = 1  # copies of the model's weights per rank, against 1F1B's one (BitPipe: 2)
 
 
 _GENERATORS: dict[str, Generator] = {}
 
 
 def register(
-    name: str, summary: str, composite: bool = False
+    name: str, summary: str, composite: bool = False, options: tuple[str, ...] = (), weight_copies: int = 1
 ) -> Callable[[Callable[[ScheduleSpec], Schedule]], Callable]:
     def wrap(generate: Callable[[ScheduleSpec], Schedule]) -> Callable[[ScheduleSpec], Schedule]:
         if name in _GENERATORS:
             raise ValueError(f"schedule {name!r} is registered twice")
-        _GENERATORS[name] = Generator(name, summary, generate, composite)
+        _GENERATORS[name] = Generator(name, summary, generate, composite, frozenset(options), weight_copies)
         return generate
 
     return wrap

@@ -3,7 +3,9 @@
 Both bubble metrics are reported. Stage-span bubble measures each rank from its first to
 its last pass (iterations may overlap across ranks, as with optimizer post-validation);
 makespan bubble measures from the first pass anywhere to the last one (a synchronizing
-optimizer step ends every iteration). Either is the idle fraction of rank-time.
+optimizer step ends every iteration). Either is the idle fraction of rank-time. Work is
+compute: collectives run beside it on their own stream, and count only where something waits
+for them (a span ends when the rank's last action, a gradient reduction included, ends).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+from .actions import spec
 from .costs import CostModel
+from .deps import order_inputs, roles
 from .execute import execute
 from .ir import Pass, Schedule
 
@@ -38,7 +42,7 @@ class Timeline:
 
     @property
     def work(self) -> tuple[float, ...]:
-        return tuple(sum(t.end - t.start for t in rank) for rank in self.ranks)
+        return tuple(sum(t.end - t.start for t in rank if t.pass_.kind.is_compute) for rank in self.ranks)
 
     @property
     def makespan(self) -> float:
@@ -47,8 +51,19 @@ class Timeline:
         return max(ends, default=0.0) - min(starts, default=0.0)
 
     def rank_span(self, rank: int) -> float:
+        """From the rank's first compute pass (or the gather it waited for) to its last action's end."""
         passes = self.ranks[rank]
-        return passes[-1].end - passes[0].start if passes else 0.0
+        first = next((i for i, t in enumerate(passes) if t.pass_.kind.is_compute), None)
+        if first is None:
+            return 0.0
+        start = passes[first].start
+        if first == 0:
+            return max(t.end for t in passes) - start
+        waited_for = set(order_inputs(self.schedule).inputs[rank][first])
+        for t in passes[:first]:
+            if waited_for.intersection(roles(t.pass_)) and t.end >= start - 1e-12:
+                start = min(start, t.start)  # an exposed gather is part of the iteration
+        return max(t.end for t in passes) - start
 
     @property
     def stage_span(self) -> float:
@@ -89,6 +104,7 @@ class Timeline:
                         "chunk": t.chunk,
                         "microbatch": t.pass_.microbatch,
                         **({"pipe": t.pass_.pipe} if t.pass_.pipe else {}),
+                        **({} if t.pass_.kind.is_compute else {"stream": spec(t.pass_.kind).stream.value}),
                         "start": t.start,
                         "end": t.end,
                     }

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .actions import spec
 from .comm import messages
 from .deps import inputs
 from .execute import producers
-from .ir import PassKind, Schedule
+from .ir import Schedule
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,6 @@ def speculation(schedule: Schedule) -> Speculation:
 
 def _first_backward(order) -> int:
     for index, p in enumerate(order):
-        if p.kind is not PassKind.F:
+        if spec(p.kind).backward:
             return index
     return len(order)

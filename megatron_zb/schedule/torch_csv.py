@@ -14,9 +14,10 @@ What each PyTorch action becomes is decided in one table, ``ACTIONS``:
   rank of its stage, a send after the pass that produced its tensor, a receive before the pass
   that consumes it, one of each per cross-rank edge) and then dropped: our messages are
   derived from the compute order (``comm.py``).
-- ``UNSHARD``/``RESHARD`` (FSDP) and ``REDUCE_GRAD`` (data-parallel gradient reduction) are
-  checked to be on the rank of their stage and dropped: the runtime does not run FSDP, and
-  Megatron's DDP starts a chunk's gradient reduction after its last W.
+- ``UNSHARD``/``RESHARD`` (FSDP) and ``REDUCE_GRAD`` (data-parallel gradient reduction) are our
+  actions of the same names (numbered by their occurrence on the stage, in order); they must be
+  on the rank of their stage, and the validator checks the rest (a pass on released weights, a
+  reduction before a W of its stage).
 
 Anything that does not fit raises ``ScheduleError`` naming the rank, the step and the cell.
 """
@@ -37,7 +38,7 @@ from .placement import Placement, interleaved, linear, v_shape
 class Treatment(str, Enum):
     COMPUTE = "compute"  # becomes a pass of ours
     P2P = "p2p"  # checked against the compute order, then dropped
-    DATA_PARALLEL = "data-parallel"  # checked to be on its stage's rank, then dropped
+    DATA_PARALLEL = "data-parallel"  # becomes one of our per-stage actions (no microbatch)
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,9 @@ ACTIONS = {
     "RECV_F": ActionType(Treatment.P2P),
     "SEND_B": ActionType(Treatment.P2P),
     "RECV_B": ActionType(Treatment.P2P),
-    "UNSHARD": ActionType(Treatment.DATA_PARALLEL),
-    "RESHARD": ActionType(Treatment.DATA_PARALLEL),
-    "REDUCE_GRAD": ActionType(Treatment.DATA_PARALLEL),
+    "UNSHARD": ActionType(Treatment.DATA_PARALLEL, PassKind.UNSHARD),
+    "RESHARD": ActionType(Treatment.DATA_PARALLEL, PassKind.RESHARD),
+    "REDUCE_GRAD": ActionType(Treatment.DATA_PARALLEL, PassKind.REDUCE_GRAD),
 }
 TORCH_NAME = {action.kind: name for name, action in ACTIONS.items() if action.kind is not None}
 OVERLAP = "OVERLAP_F_B"
@@ -87,11 +88,8 @@ class Action:
 
 
 def write_torch_csv(schedule: Schedule) -> str:
-    """The compute-only CSV PyTorch's ``_load_csv`` reads (one row per rank).
-
-    Data-parallel actions (UNSHARD, RESHARD, REDUCE_GRAD), if the schedule has them, are left
-    out: a compute-only CSV may not hold them, and PyTorch's lowering adds its own.
-    """
+    """The CSV PyTorch's ``_load_csv`` reads (one row per rank): compute passes, and the data-parallel
+    actions of a lowered schedule (``{stage}UNSHARD``, ``{stage}RESHARD``, ``{stage}REDUCE_GRAD``)."""
     if len(schedule.placements) > 1:
         raise ScheduleError(
             f"{schedule.name} runs {len(schedule.placements)} pipes (bidirectional); PyTorch's CSV holds one"
@@ -99,16 +97,14 @@ def write_torch_csv(schedule: Schedule) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for order in schedule.orders:
-        writer.writerow([f"{p.stage}{TORCH_NAME[p.kind]}{p.microbatch}" for p in order if _written(p)])
+        writer.writerow([_cell(p) for p in order])
     return out.getvalue()
 
 
-def _written(p: Pass) -> bool:
-    if p.kind in TORCH_NAME:
-        return True
-    if p.kind.value in ACTIONS and ACTIONS[p.kind.value].treatment is Treatment.DATA_PARALLEL:
-        return False
-    raise ScheduleError(f"{p} has no PyTorch compute action")
+def _cell(p: Pass) -> str:
+    if p.kind not in TORCH_NAME:
+        raise ScheduleError(f"{p} has no PyTorch action (PyTorch's schedules keep one copy of each stage)")
+    return f"{p.stage}{TORCH_NAME[p.kind]}{p.microbatch if p.kind.is_compute else ''}"
 
 
 def read_torch_csv(text: str, name: str = "torch-csv") -> tuple[Schedule, list[str]]:
@@ -122,11 +118,27 @@ def read_torch_csv(text: str, name: str = "torch-csv") -> tuple[Schedule, list[s
             raise ScheduleError(f"{name}: {action.where()} names no microbatch")
     stage_rank = _stage_ranks(name, compute)
     placement = infer_placement(name, len(rows), stage_rank)
-    orders = tuple(tuple(Pass(ACTIONS[a.type].kind, a.stage, a.microbatch) for a in row) for row in compute)
-    microbatches = 1 + max((p.microbatch for order in orders for p in order), default=-1)
+    kept = [[a for a in row if ACTIONS[a.type].treatment is not Treatment.P2P] for row in rows]
+    orders = tuple(_passes(row) for row in kept)
+    microbatches = 1 + max((a.microbatch for row in compute for a in row), default=-1)
     others = [a for row in rows for a in row if ACTIONS[a.type].treatment is not Treatment.COMPUTE]
     notes = _check_dropped(name, others, compute, placement)
     return Schedule(name, (placement,), microbatches, orders), notes
+
+
+def _passes(row: list[Action]) -> tuple[Pass, ...]:
+    """Our passes for a row: compute actions by microbatch, data-parallel ones by occurrence on their stage."""
+    seen: dict[tuple[str, int], int] = {}
+    found = []
+    for a in row:
+        kind = ACTIONS[a.type].kind
+        if a.microbatch is None:
+            occurrence = seen.get((a.type, a.stage), 0)
+            seen[a.type, a.stage] = occurrence + 1
+            found.append(Pass(kind, a.stage, occurrence))
+        else:
+            found.append(Pass(kind, a.stage, a.microbatch))
+    return tuple(found)
 
 
 def _parse_row(rank: int, cells: list[str]) -> list[Action]:
@@ -204,11 +216,6 @@ def _check_dropped(name: str, others: list[Action], compute: list[list[Action]],
         )
     if dp:
         _check_reduce_grad(name, [a for a in dp if a.type == "REDUCE_GRAD"], compute)
-        kinds = ", ".join(sorted({a.type for a in dp}))
-        notes.append(
-            f"{len(dp)} {kinds} actions were dropped: megatron-zb does not run FSDP, and Megatron's DDP starts "
-            "each chunk's gradient reduction after its last W"
-        )
     return notes
 
 

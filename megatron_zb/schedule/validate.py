@@ -1,5 +1,9 @@
 """Validator: every pass exactly once, on its rank, after its inputs, without deadlock,
 within the memory limit. Each issue names the rank, the pass, its microbatch and the rule.
+
+Per-stage actions (lowering's gathers, releases and gradient reductions) are checked too:
+numbered in order, windows opened before they are closed, no pass on released weights, a
+reduction after every weight gradient of its stage.
 """
 
 from __future__ import annotations
@@ -7,10 +11,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from .actions import spec
 from .costs import CostModel
-from .deps import Role, inputs, roles
+from .deps import Role, inputs, order_inputs, roles
 from .execute import DeadlockError, execute
-from .ir import Pass, Schedule, ScheduleError
+from .ir import Pass, PassKind, Schedule, ScheduleError
 from .simulate import memory_levels
 
 MEMORY_TOLERANCE = 1e-9
@@ -19,7 +24,7 @@ MAX_REPORTED = 12
 
 @dataclass(frozen=True)
 class Issue:
-    rule: str  # placement | range | once | missing | order | deadlock | memory
+    rule: str  # placement | range | once | missing | order | sharded | actions | deadlock | memory
     message: str
     rank: int | None = None
     pass_: Pass | None = None
@@ -31,7 +36,7 @@ class Issue:
 def validate(schedule: Schedule, costs: CostModel | None = None, memory_limit: float | None = None) -> list[Issue]:
     issues = _placement_issues(schedule)
     if not issues:
-        issues = _coverage_issues(schedule) + _order_issues(schedule)
+        issues = _coverage_issues(schedule) + _action_issues(schedule) + _order_issues(schedule)
     if not issues:
         try:
             execute(schedule, lambda p: 0.0)
@@ -61,6 +66,13 @@ def _placement_issues(schedule: Schedule) -> list[Issue]:
                 issues.append(Issue("range", f"rank {rank} runs {p}: no pipe {p.pipe}", rank, p))
             elif not 0 <= p.stage < schedule.num_stages(p.pipe):
                 issues.append(Issue("range", f"rank {rank} runs {p}: no stage {p.stage}", rank, p))
+            elif not p.kind.is_compute:
+                if p.microbatch < 0:
+                    issues.append(Issue("range", f"rank {rank} runs {p}: occurrence below 0", rank, p))
+                elif schedule.rank_of(p) != rank:
+                    where = schedule.rank_of(p)
+                    message = f"rank {rank} runs {p}, but the placement puts stage {p.stage} on rank {where}"
+                    issues.append(Issue("placement", message, rank, p))
             elif not 0 <= p.microbatch < schedule.microbatches:
                 issues.append(
                     Issue("range", f"rank {rank} runs {p}: microbatch outside 0..{schedule.microbatches - 1}", rank, p)
@@ -84,6 +96,8 @@ def _coverage_issues(schedule: Schedule) -> list[Issue]:
     for rank, order in enumerate(schedule.orders):
         for p in order:
             count.update(roles(p))
+            if not p.kind.is_compute:
+                continue
             if pipe_of.setdefault(p.microbatch, p.pipe) != p.pipe:
                 message = f"microbatch {p.microbatch} runs on pipes {pipe_of[p.microbatch]} and {p.pipe}"
                 issues.append(Issue("once", message, rank, p))
@@ -100,15 +114,57 @@ def _coverage_issues(schedule: Schedule) -> list[Issue]:
     return issues
 
 
-def _order_issues(schedule: Schedule) -> list[Issue]:
+def _action_issues(schedule: Schedule) -> list[Issue]:
+    """Per-stage actions: each occurrence once and numbered in order, gathers and releases alternating."""
     issues = []
     for rank, order in enumerate(schedule.orders):
+        seen: dict[tuple, int] = {}  # (kind, pipe, stage) -> occurrences so far
+        gathered: dict[tuple[int, int], Pass] = {}
+        for i, p in enumerate(order):
+            kind = spec(p.kind)
+            if p.kind.is_compute:
+                continue
+            key = (p.pipe, p.stage)
+            expected = seen.get((p.kind, p.pipe, p.stage), 0)
+            seen[p.kind, p.pipe, p.stage] = expected + 1
+            if p.microbatch != expected:
+                message = f"rank {rank} runs {p} (pass {i}) as occurrence {expected} of {p.kind.value} s{p.stage}"
+                issues.append(Issue("actions", message + "; number them 0, 1, ... in order", rank, p))
+            if kind.gathers > 0 and key in gathered:
+                message = f"rank {rank} runs {p} (pass {i}) while {gathered[key]} still holds s{p.stage}'s weights"
+                issues.append(Issue("actions", message, rank, p))
+            elif kind.gathers > 0:
+                gathered[key] = p
+            elif kind.gathers < 0 and gathered.pop(key, None) is None:
+                message = f"rank {rank} runs {p} (pass {i}) with no gathered weights of stage {p.stage} to release"
+                issues.append(Issue("actions", message, rank, p))
+    reductions = Counter(
+        (p.pipe, p.stage) for order in schedule.orders for p in order if p.kind is PassKind.REDUCE_GRAD
+    )
+    for (pipe, stage), count in reductions.items():
+        if count > 1:
+            what = Pass(PassKind.REDUCE_GRAD, stage, 0, pipe)
+            issues.append(Issue("once", f"{what} runs {count} times; a stage's gradients are reduced once"))
+    return issues
+
+
+def _order_issues(schedule: Schedule) -> list[Issue]:
+    issues = []
+    from_order = order_inputs(schedule)
+    for rank, order in enumerate(schedule.orders):
+        for i in from_order.sharded[rank]:
+            p = order[i]
+            message = (
+                f"rank {rank} runs {p} (pass {i}) on released weights: no UNSHARD s{p.stage} opens a window "
+                "before it (gather the weights first)"
+            )
+            issues.append(Issue("sharded", message, rank, p))
         position: dict[Role, int] = {}
         for i, p in enumerate(order):
             for role in roles(p):
                 position.setdefault(role, i)
         for i, p in enumerate(order):
-            for role in inputs(p, schedule.num_stages(p.pipe)):
+            for role in inputs(p, schedule.num_stages(p.pipe)) + from_order.inputs[rank][i]:
                 if position.get(role, -1) > i:
                     issues.append(
                         Issue(

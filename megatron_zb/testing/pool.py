@@ -12,6 +12,7 @@ each module that asks for one gets it reset (``reset_worker``), as if freshly st
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -54,6 +55,9 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], threads: int
             outbox.put((rank, True, fn(**kwargs)))
         except BaseException as error:  # report everything, keep serving
             outbox.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        # The case's models and runners are garbage now; collect their cycles so that the process
+        # groups they held (each with gloo threads that keep waking up) go before the next case.
+        gc.collect()
     dist.destroy_process_group()
 
 

@@ -98,6 +98,12 @@ def _parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="ZeRO-3: shard parameters, gradients and optimizer state with PyTorch FSDP2; the schedule gathers and "
+        "releases each chunk's weights and reduces its gradients where it plans them (megatron-zb schedules)",
+    )
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl")
     group.add_argument(
         "--distributed-timeout-minutes",
@@ -222,7 +228,9 @@ def derive_and_check(args: argparse.Namespace) -> list[str]:
     args.padded_vocab_size = padded_vocab(args.tokenizer_vocab_size, args.make_vocab_size_divisible_by, args)
     args.zero_bubble = schedule_settings(args)
     args.placement = placement_of(args)
+    args.placements = args.zero_bubble.placements if args.zero_bubble is not None else (args.placement,)
     checks.check_placement(args)
+    checks.check_zero3(args)
     checks.check_replan_window(args)
     check_before_spawn(args)  # --load/--save against the checkpoints there (manifest.py)
     checks.check_outputs(args)

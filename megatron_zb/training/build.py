@@ -46,7 +46,7 @@ def init_parallel(args: argparse.Namespace, device: torch.device) -> None:
 
     from ..megatron.gpt_model import embedding_ranks
 
-    chunks = args.placement.chunks
+    chunks = sum(placement.chunks for placement in args.placements)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -77,7 +77,7 @@ def transformer_config(args: argparse.Namespace, gloo: bool):
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    chunks = args.placement.chunks
+    chunks = sum(placement.chunks for placement in args.placements)
     config = TransformerConfig(
         **_same_names(args, TRANSFORMER_FIELDS),
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
@@ -96,6 +96,8 @@ def _layout(args: argparse.Namespace):
     """Our layout where megatron's own split differs (V, padding); megatron's otherwise."""
     from ..megatron.layout import layer_layout
 
+    if len(args.placements) > 1:
+        return None  # several pipes: each gets its own layout (build_pipes)
     if args.placement.kind == "v" or args.allow_padding_num_layers:
         return layer_layout(args.num_layers, args.placement, args.allow_padding_num_layers)
     return None
@@ -108,15 +110,16 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
-    from ..megatron.gpt_model import build_gpt_chunks, fix_float16_output_cast, tied_embedding_finalize
+    from ..megatron.gpt_model import build_pipes, fix_float16_output_cast, tied_embedding_finalize
     from ..megatron.init import placement_independent_init
 
     config = transformer_config(args, gloo)
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = build_gpt_chunks(
+    chunks = build_pipes(
         config,
-        args.placement,
+        args.placements,
         rank,
+        shared=args.zero_bubble.shared if args.zero_bubble is not None else (),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -126,7 +129,12 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
     chunks = [chunk.to(device) for chunk in chunks]
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-        fix_float16_output_cast(chunks, args.placement, rank)
+        offset = 0
+        for placement in args.placements:  # each pipe's chunks, after the pipes before it
+            fix_float16_output_cast(chunks[offset : offset + placement.chunks], placement, rank)
+            offset += placement.chunks
+    if args.use_torch_fsdp2:
+        return _build_zero3(args, config, chunks, device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -141,7 +149,7 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
     config.no_sync_func = _per_chunk([chunk.no_sync for chunk in chunks])
     if args.overlap_grad_reduce:
         config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in chunks])
-    config.finalize_model_grads_func = tied_embedding_finalize(finalize_model_grads, args.placement)
+    config.finalize_model_grads_func = tied_embedding_finalize(finalize_model_grads, args.placements)
     optimizer = _optimizer(args, config, chunks)
     config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's train(): the loss scale, 1 without one
     scheduler = _scheduler(args, optimizer)
@@ -158,6 +166,22 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
         )
         validation.attach_scheduler(scheduler)
     return Trainee(config, chunks, optimizer, scheduler, device, validation)
+
+
+def _build_zero3(args: argparse.Namespace, config, chunks: list, device: torch.device) -> Trainee:
+    """ZeRO-3: FSDP2-sharded chunks (``runtime.dp``); the runtime's backend runs the planned gathers and reductions."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+
+    from ..megatron.gpt_model import tied_embedding_finalize
+    from ..runtime.dp import wrap_zero3, zero3_optimizer
+
+    chunks = wrap_zero3(config, chunks)
+    config.finalize_model_grads_func = tied_embedding_finalize(finalize_model_grads, args.placements)
+    optimizer_config = OptimizerConfig(**_same_names(args, OPTIMIZER_FIELDS), params_dtype=config.params_dtype)
+    optimizer = zero3_optimizer(optimizer_config, chunks)
+    config.grad_scale_func = optimizer.scale_loss
+    return Trainee(config, chunks, optimizer, _scheduler(args, optimizer), device, None)
 
 
 def _per_chunk(functions: list):

@@ -148,6 +148,48 @@ def refuse_zero_bubble_settings(args: argparse.Namespace) -> None:
         )
 
 
+def check_zero3(args: argparse.Namespace) -> None:
+    """``--use-torch-fsdp2`` (ZeRO-3) in the settings it is verified in; the rest refused by name."""
+    if not getattr(args, "use_torch_fsdp2", False):
+        return
+    if args.zero_bubble is None:
+        raise ValueError(
+            "--use-torch-fsdp2 needs a megatron-zb schedule (--pipeline-schedule NAME, e.g. breadth-first): the "
+            "schedule plans when each chunk's weights are gathered and its gradients reduced"
+        )
+    refused = {
+        "use_distributed_optimizer": "ZeRO-3 already shards the optimizer state (that optimizer is ZeRO-1/2)",
+        "overlap_grad_reduce": "the schedule starts each chunk's gradient reduction itself",
+        "fp16": "ZeRO-3 is verified in fp32 only so far",
+        "bf16": "ZeRO-3 is verified in fp32 only so far",
+        "sequence_parallel": "ZeRO-3 is verified without tensor parallelism so far",
+    }
+    for name, why in refused.items():
+        if getattr(args, name, False):
+            raise ValueError(f"--use-torch-fsdp2 with {flag(name)}: {why}; drop one of them")
+    if args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1:
+        raise ValueError(
+            "--use-torch-fsdp2 is verified without tensor or context parallelism so far; use "
+            "--tensor-model-parallel-size 1 --context-parallel-size 1, or the distributed optimizer"
+        )
+    if args.zero_bubble.shared:
+        raise ValueError(
+            f"--use-torch-fsdp2 with --pipeline-schedule {args.zero_bubble.schedule}: a schedule that keeps two copies "
+            "of each block sums their gradients in the DDP buffers; use the distributed optimizer instead"
+        )
+    if args.zero_bubble.post_validation:
+        raise ValueError(
+            "--use-torch-fsdp2 with --enable-optimizer-post-validation: a redone iteration prefix would gather "
+            "chunks the undone step released; drop one of them"
+        )
+    for option in ("save", "load"):
+        if getattr(args, option, None):
+            raise ValueError(
+                f"--{option} with --use-torch-fsdp2: checkpoints of sharded (FSDP2) chunks are not written yet; "
+                "drop it, or train with the distributed optimizer"
+            )
+
+
 def check_derived(args: argparse.Namespace) -> None:
     """The relations between flags, once defaults are filled in and the data-parallel size is known."""
     if args.hidden_size % args.num_attention_heads:

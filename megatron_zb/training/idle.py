@@ -51,15 +51,16 @@ def planned_gaps(timeline: Timeline, rank: int) -> dict[Pass, float]:
     origin = min((t.start for passes in timeline.ranks for t in passes), default=0.0)
     gaps, previous = {}, origin
     for t in timeline.ranks[rank]:
-        gaps[t.pass_] = t.start - previous
-        previous = t.end
+        if t.pass_.kind.is_compute:  # collectives run on their own stream
+            gaps[t.pass_] = t.start - previous
+            previous = t.end
     return gaps
 
 
 def predicted(timeline: Timeline, rank: int) -> IdleBreakdown:
     """The plan's breakdown: span from the timeline's start to the rank's last pass, idle all planned."""
     origin = min((t.start for passes in timeline.ranks for t in passes), default=0.0)
-    passes = timeline.ranks[rank]
+    passes = [t for t in timeline.ranks[rank] if t.pass_.kind.is_compute]
     span = passes[-1].end - origin if passes else 0.0
     compute = sum(t.end - t.start for t in passes)
     return IdleBreakdown(span, compute, span - compute, 0.0, 0.0, 0.0, 0.0)
@@ -77,7 +78,7 @@ def measured(
     With ``schedule`` and ``fused_backward`` (seconds per full stage, see ``fused_backward``)
     ``w_split`` is filled in.
     """
-    passes = [r for r in records if r.iteration == call.iteration]
+    passes = [r for r in records if r.iteration == call.iteration and r.pass_.kind.is_compute]
     span = call.end - call.start
     compute = sum(r.end - r.start for r in passes)
     planned = sum(min(r.waited, max(gaps.get(r.pass_, 0.0), 0.0)) for r in passes)

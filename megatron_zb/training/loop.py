@@ -244,7 +244,11 @@ def _extra(args: argparse.Namespace) -> dict:
     from .manifest import placement_text
 
     schedule = args.zero_bubble.schedule if args.zero_bubble else "megatron-core"
-    return {"schedule": schedule, "seed": args.seed, "placement": placement_text(args.placement)}
+    return {
+        "schedule": schedule,
+        "seed": args.seed,
+        "placement": placement_text(args.placements if len(args.placements) > 1 else args.placement),
+    }
 
 
 class _IterationLog:

@@ -65,8 +65,9 @@ _FLAGS = {
 
 
 def placement_text(placement) -> str:
-    """How a checkpoint records where the layer blocks sit (a placement of megatron_zb.schedule)."""
-    return f"{placement.kind} pp={placement.pp} chunks={placement.chunks}"
+    """How a checkpoint records where the layer blocks sit (a placement, or every pipe's: BitPipe has two)."""
+    placements = placement if isinstance(placement, tuple) else (placement,)
+    return " + ".join(f"{p.kind} pp={p.pp} chunks={p.chunks}" for p in placements)
 
 
 def iteration_directory(directory: str | Path, iteration: int) -> Path:
@@ -283,14 +284,14 @@ def _check_loadable(args: argparse.Namespace, folder: Path) -> None:
         "tp": args.tensor_model_parallel_size,
         "pp": args.pipeline_model_parallel_size,
         "dp": args.data_parallel_size * getattr(args, "context_parallel_size", 1),
-        "chunks": args.placement.chunks,
+        "chunks": sum(placement.chunks for placement in args.placements),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
     }
     differs = [f"{_FLAGS[k]}: checkpoint {saved[k]}, this run {ours[k]}" for k in LAYOUT_FIELDS if saved[k] != ours[k]]
-    if manifest["placement"] is not None and manifest["placement"] != placement_text(args.placement):
+    if manifest["placement"] is not None and manifest["placement"] != placement_text(_placements(args)):
         differs.append(
             f"--pipeline-schedule: the checkpoint holds the {manifest['placement']} placement "
-            f"({manifest['schedule']}), this run uses {placement_text(args.placement)}"
+            f"({manifest['schedule']}), this run uses {placement_text(_placements(args))}"
         )
     if differs:
         raise CheckpointError(
@@ -332,3 +333,8 @@ def _check_save(args: argparse.Namespace, start: int) -> None:
             f"load: it resumes from {load} and would save from iteration {first} on, over or behind them; resume "
             f"with --load {args.save}, or give --save an empty folder"
         )
+
+
+def _placements(args):
+    placements = getattr(args, "placements", None) or (args.placement,)
+    return placements if len(placements) > 1 else placements[0]

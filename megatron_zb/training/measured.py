@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..render.chrome_trace import PID, metadata_events, pass_event
+from ..render.chrome_trace import PID, collective_track, metadata_events, pass_event
 from ..runtime.profiler import PassRecord
 from ..schedule.simulate import PassTime
 from .collectives import CollectiveRecord, CollectiveRecorder, SpanRecord, cross_stage, pipeline_stages
@@ -41,7 +41,7 @@ def measured_bubble(records: list[PassRecord], iteration: int, wall_start: float
         raise ValueError(
             f"wall_end ({wall_end}) must be after wall_start ({wall_start}): time the forward_backward call"
         )
-    busy = sum(r.end - r.start for r in records if r.iteration == iteration)
+    busy = sum(r.end - r.start for r in records if r.iteration == iteration and r.pass_.kind.is_compute)
     return 1.0 - busy / wall
 
 
@@ -210,6 +210,8 @@ def write_measured_trace(
         ]
     span = f"iteration {iterations[0]}" if len(iterations) == 1 else f"iterations {iterations[0]}-{iterations[-1]}"
     header = metadata_events(f"{schedule_name} measured {span}", len(ranks))
+    header += [event for index, rank in enumerate(ranks) if any(not t.pass_.kind.is_compute for t in rank)
+               for event in collective_track(index)]  # fmt: skip
     other = {**_summary(ranks), "schedule": schedule_name, "iterations": iterations}
     if len(iterations) == 1:
         other["iteration"] = iterations[0]
@@ -261,7 +263,7 @@ def _timed_event(name: str, category: str, rank: int, start: float, end: float, 
 
 def _summary(ranks: list[list[PassTime]]) -> dict[str, Any]:
     """Busy time per rank and the bubble over the traced span, in seconds (the simulator's definitions)."""
-    busy = [sum(t.end - t.start for t in rank) for rank in ranks]
+    busy = [sum(t.end - t.start for t in rank if t.pass_.kind.is_compute) for rank in ranks]
     makespan = max((t.end for rank in ranks for t in rank), default=0.0)
     capacity = makespan * len(ranks)
     return {

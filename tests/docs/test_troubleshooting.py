@@ -225,7 +225,8 @@ CASES = [
         ),
     ),
     (
-        "--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto), not to zb-1p",
+        "--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto, bitpipe-zb), "
+        "not to zb-1p",
         lambda _: train("--enable-zero-bubble --zero-bubble-memory-limit 6"),
     ),
     (

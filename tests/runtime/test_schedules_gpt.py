@@ -203,7 +203,11 @@ def run_against_megatron_interleaved(name: str, pp: int, m: int, chunks: int) ->
     return outcome
 
 
-@pytest.mark.parametrize("name,pp,m", [("zb-1p", 4, 8), ("zb-2p", 4, 12), ("interleaved-1f1b", 4, 8)])
+LOOPING = [("zb-1p", 4, 8), ("zb-2p", 4, 12), ("interleaved-1f1b", 4, 8), ("breadth-first", 4, 8)]
+LOOPING += [("breadth-first-zb", 4, 8)]
+
+
+@pytest.mark.parametrize("name,pp,m", LOOPING)
 def test_interleaved_zero_bubble_equals_megatron_core_interleaved(pool, name, pp, m):
     """pp=4 only: at pp=2 (previous and next rank the same peer) megatron-core's interleaved schedule on gloo
     gives gradients that differ from ours and from the unpipelined reference, which ours match there."""

@@ -1,4 +1,4 @@
-"""Exact per-rank orders of every generator at pp=4, m=6 (interleaved: chunks=2, m=8).
+"""Exact per-rank orders of every generator at pp=4, m=6 (interleaved: chunks=2, m=8; BitPipe: m=8).
 
 The files were checked against the closed forms in test_closed_forms.py when written; to
 rewrite them after an intended change run `REGENERATE_GOLDEN=1 pytest tests/schedule/test_golden.py`
@@ -14,7 +14,7 @@ from megatron_zb.schedule.ir import parse_orders
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 
 GOLDEN = Path(__file__).parent / "golden"
-SPECS = {"interleaved-1f1b": ScheduleSpec(4, 8, 2)}
+SPECS = {"interleaved-1f1b": ScheduleSpec(4, 8, 2), "bitpipe": ScheduleSpec(4, 8), "bitpipe-zb": ScheduleSpec(4, 8)}
 
 
 @pytest.mark.parametrize("name", names())

@@ -29,6 +29,12 @@ RULES = {
     "v-min": (lambda p, m, v: v == 2, lambda p, m, v: p / 3 + 1, "runs two chunks per rank"),
     "v-auto": (lambda p, m, v: v == 2, lambda p, m, v: m, "runs two chunks per rank"),
     "auto": (lambda p, m, v: True, lambda p, m, v: m, ""),
+    # one breadth-first group of all m microbatches: a rank holds all of them (GPipe at v=1)
+    "breadth-first": (lambda p, m, v: True, lambda p, m, v: m, ""),
+    "breadth-first-zb": (lambda p, m, v: True, lambda p, m, v: m, ""),
+    # two mirrored V pipes, four chunks per rank; 1F1B's memory, more for the split one's deferred Ws
+    "bitpipe": (lambda p, m, v: p % 2 == 0 and m % p == 0 and v == 4, lambda p, m, v: p, "needs|runs four chunks"),
+    "bitpipe-zb": (lambda p, m, v: p % 2 == 0 and m % p == 0 and v == 4, lambda p, m, v: m, "needs|runs four chunks"),
 }
 SEARCHED = {"zb-auto", "zb-1p", "zb-2p", "zb-v", "v-half", "v-min", "v-auto", "auto"}  # slower: smaller sizes
 
@@ -54,7 +60,7 @@ def test_generated_schedules_are_valid_or_refused(name, p, m, v):
     fused = any(p.kind is PassKind.BW for order in schedule.orders for p in order)
     assert sum(len(order) for order in schedule.orders) == m * schedule.num_stages() * (2 if fused else 3)
     if name != "auto":
-        assert fused == (name in ("1f1b", "interleaved-1f1b"))
+        assert fused == (name in ("1f1b", "interleaved-1f1b", "breadth-first", "bitpipe"))
     timeline = simulate(schedule)
     assert max(timeline.peak_memory) <= peak_bound(p, m, v) + 1e-9
     assert -1e-12 <= timeline.bubble_rate <= timeline.bubble_rate_makespan + 1e-12 < 1 + 1e-12  # float sums

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_zb.schedule.ir import Schedule, ScheduleError, parse_orders
+from megatron_zb.schedule.lower import DataParallel, lower
 from megatron_zb.schedule.placement import interleaved, linear, mirrored, v_shape
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 from megatron_zb.schedule.simulate import simulate
@@ -35,6 +36,9 @@ def test_every_registered_schedule_round_trips(name):
             schedule = build(name, ScheduleSpec(pp, m, chunks), suggest=False)
         except ScheduleError:
             continue  # a setting this schedule refuses
+        if len(schedule.placements) > 1:  # BitPipe: PyTorch's CSV holds one pipe (test_two_pipes_cannot_be_written)
+            built += 1
+            continue
         back, notes = read_torch_csv(write_torch_csv(schedule), "back")
         assert (back.placements, back.microbatches, back.orders) == (
             schedule.placements,
@@ -43,7 +47,7 @@ def test_every_registered_schedule_round_trips(name):
         ), (pp, m, chunks)
         assert notes == []
         built += 1
-    assert built >= 9, f"{name} built only {built} settings"
+    assert built >= 4, f"{name} built only {built} settings"
 
 
 def test_each_action_maps_to_our_pass():
@@ -113,16 +117,17 @@ def test_reads_torchs_dump_with_comms_as_its_compute_only_dump(cls, per_rank, tm
     comms = (tmp_path / "comms.csv").read_text()
     compute, none = read_torch_csv((tmp_path / "compute.csv").read_text(), cls)
     with_comms, notes = read_torch_csv(comms, cls)
-    assert none == [] and with_comms == compute
+    compute_only = tuple(tuple(p for p in order if p.kind.is_compute) for order in with_comms.orders)
+    assert none == [] and compute_only == compute.orders
     sends = len(re.findall(r"(SEND|RECV)_[FB]\d", comms))
-    assert notes[0] == (
+    assert notes == [
         f"{sends} SEND/RECV actions agree with the compute order and were dropped: megatron-zb derives its messages "
         "from the compute order"
-    )
-    assert notes[1].endswith(
-        "actions were dropped: megatron-zb does not run FSDP, and Megatron's DDP starts each chunk's gradient "
-        "reduction after its last W"
-    )
+    ]
+    # PyTorch's lowering's UNSHARD/RESHARD/REDUCE_GRAD are ours: kept, and valid under our rules
+    kept = {p.kind.value for order in with_comms.orders for p in order if not p.kind.is_compute}
+    assert kept == {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    check(with_comms)
     assert simulate(compute).makespan > 0
 
 
@@ -185,13 +190,24 @@ def test_comm_and_data_parallel_actions_must_agree_with_the_compute_order(text, 
     assert message in refusal(text)
 
 
-def test_data_parallel_actions_are_dropped_with_the_reason():
-    schedule, notes = read_torch_csv("0UNSHARD,0F0,0I0,0W0,0REDUCE_GRAD,0RESHARD\n1F0,1I0,1W0\n", "t.csv")
-    assert schedule == read_torch_csv(H1, "t.csv")[0]
-    assert notes == [
-        "3 REDUCE_GRAD, RESHARD, UNSHARD actions were dropped: megatron-zb does not run FSDP, and Megatron's DDP "
-        "starts each chunk's gradient reduction after its last W"
-    ]
+def test_data_parallel_actions_become_ours_and_round_trip():
+    text = "0UNSHARD,0F0,0I0,0W0,0REDUCE_GRAD,0RESHARD\n1F0,1I0,1W0\n"
+    schedule, notes = read_torch_csv(text, "t.csv")
+    assert notes == []
+    assert schedule.to_text().splitlines()[0] == (
+        "rank 0: UNSHARD s0, F s0 mb0, B s0 mb0, W s0 mb0, REDUCE_GRAD s0, RESHARD s0"
+    )
+    check(schedule)
+    assert write_torch_csv(schedule) == text
+    lowered = lower(build("breadth-first-zb", ScheduleSpec(2, 4)), DataParallel(gather="windows"))
+    back, _ = read_torch_csv(write_torch_csv(lowered), "back")
+    assert back.orders == lowered.orders
+
+
+def test_replica_syncs_have_no_pytorch_action():
+    lowered = lower(build("bitpipe", ScheduleSpec(2, 2)), DataParallel())
+    with pytest.raises(ScheduleError, match="runs 2 pipes"):
+        write_torch_csv(lowered)
 
 
 def test_two_pipes_cannot_be_written():
@@ -212,7 +228,7 @@ def independent_makespan(schedule: Schedule, gpt_like: bool) -> float:
         full = p.stage // per_rank
         f = 1.2 if gpt_like and full in (0, pp - 1) else 1.0
         b, w = (1.1, 0.7) if gpt_like else (1.0, 1.0)
-        return {"F": f, "B": b, "W": w, "BW": b + w}[p.kind.value] / per_rank
+        return {"F": f, "B": b, "W": w, "BW": b + w}.get(p.kind.value, 0.0) / per_rank  # actions: free here
 
     def needs(p) -> list[tuple[str, int]]:
         if p.kind.value == "F":

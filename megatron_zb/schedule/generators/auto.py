@@ -7,7 +7,8 @@ On a full tie the schedule with fewer cross-rank messages goes first (linear, th
 interleaved), then a named family (zb-v, zb-2p, ...) before v-auto and zb-auto, which search over it.
 Families that cannot run the setting
 (chunks, microbatch counts, the limit) are skipped; if none fits, the error lists what each
-needs.
+needs. Families that keep more than one copy of the weights (BitPipe) are not among the
+candidates: their memory is not what the activation limit measures; name them to run them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def generate(spec: ScheduleSpec) -> Schedule:
     costs = spec.cost_model()
     best, best_score, refusals = None, None, []
     for name in names():
-        if get(name).composite:
+        if get(name).composite or get(name).weight_copies > 1:
             continue
         try:
             schedule = build(name, replace(spec, refine_seconds=0.0), suggest=False)
@@ -58,4 +59,4 @@ def generate(spec: ScheduleSpec) -> Schedule:
         from ..refine import refine
 
         best = refine(best, costs, spec.memory_limit, spec.refine_seconds)
-    return Schedule(f"auto ({best.name})", best.placements, best.microbatches, best.orders)
+    return replace(best, name=f"auto ({best.name})")
