@@ -93,7 +93,7 @@ class ForwardBackward:
         self._lowerings: dict[tuple, tuple[Schedule, Schedule]] = {}  # (id, dp) -> (schedule, lowered)
         self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
         self.last_backend: DataParallelBackend | None = None  # the data-parallel backend of the latest call
-        self._replicas: dict | None = None  # chunk -> replica pair group (schedules that keep two copies)
+        self._replicas: tuple | None = None  # (pipeline group, chunk -> replica pair group) for two-copy schedules
         self._speculations: dict[int, Speculation] = {}
         self.redone_prefixes = 0  # iteration prefixes redone after a rolled-back optimizer step
 
@@ -279,9 +279,9 @@ class ForwardBackward:
 
     def _replica_groups(self, schedule: Schedule, pipeline: dist.ProcessGroup) -> dict:
         """The pair groups of the ranks holding two copies of a block, created once (collective)."""
-        if self._replicas is None:
-            self._replicas = replica_groups(schedule, pipeline)
-        return self._replicas
+        if self._replicas is None or self._replicas[0] is not pipeline:  # new groups: made for this pipeline group
+            self._replicas = (pipeline, replica_groups(schedule, pipeline))
+        return self._replicas[1]
 
     def _lowered(self, schedule: Schedule, data_parallel: DataParallel) -> Schedule:
         """``schedule`` with the data-parallel actions of this run (cached: every call of a run lowers alike)."""

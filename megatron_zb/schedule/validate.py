@@ -34,6 +34,17 @@ class Issue:
 
 
 def validate(schedule: Schedule, costs: CostModel | None = None, memory_limit: float | None = None) -> list[Issue]:
+    if _runs_clean(schedule):  # the common case, checked fast; any doubt takes the full path below
+        issues: list[Issue] = []
+    else:
+        issues = _full_issues(schedule)
+    if memory_limit is not None and not any(i.rule in ("placement", "range") for i in issues):
+        issues += _memory_issues(schedule, costs or CostModel(schedule.pp), memory_limit)
+    return issues
+
+
+def _full_issues(schedule: Schedule) -> list[Issue]:
+    """Every rule but memory, each issue with its message."""
     issues = _placement_issues(schedule)
     if not issues:
         issues = _coverage_issues(schedule) + _action_issues(schedule) + _order_issues(schedule)
@@ -42,9 +53,75 @@ def validate(schedule: Schedule, costs: CostModel | None = None, memory_limit: f
             execute(schedule, lambda p: 0.0)
         except DeadlockError as error:
             issues.append(Issue("deadlock", str(error), rank=min(error.waits), pass_=error.waits[min(error.waits)][0]))
-    if memory_limit is not None and not any(i.rule in ("placement", "range") for i in issues):
-        issues += _memory_issues(schedule, costs or CostModel(schedule.pp), memory_limit)
     return issues
+
+
+_ROLE_CODES = {PassKind.F: 0, PassKind.B: 1, PassKind.W: 2, PassKind.BW: 3}  # BW plays B (1) and W (2)
+
+
+def _runs_clean(schedule: Schedule) -> bool:
+    """Whether a schedule of compute passes only has no issue but memory, on integer codes.
+
+    True only where ``_full_issues`` finds none: every pass in range and on its rank, each
+    (role, stage, microbatch) once with each microbatch on one pipe, and the orders run to the
+    end (which rules out a pass before its input on its own rank, and deadlocks). False sends
+    the schedule down the full path, which names the issues.
+    """
+    m, placements = schedule.microbatches, schedule.placements
+    stages = [placement.num_stages for placement in placements]
+    base = [sum(stages[:pipe]) for pipe in range(len(placements))]
+    owner = [rank for placement in placements for rank, _ in placement.blocks]
+    pipe_of = [-1] * m
+    seen = [bytearray(sum(stages) * m) for _ in range(3)]
+    coded: list[list[tuple[int, int, bool]]] = []
+    for rank, order in enumerate(schedule.orders):
+        row = []
+        for p in order:
+            role, stage, mb, pipe = _ROLE_CODES.get(p.kind), p.stage, p.microbatch, p.pipe
+            if role is None or not (0 <= pipe < len(placements) and 0 <= mb < m and 0 <= stage < stages[pipe]):
+                return False
+            if owner[base[pipe] + stage] != rank or pipe_of[mb] not in (-1, pipe):
+                return False
+            pipe_of[mb] = pipe
+            index = (base[pipe] + stage) * m + mb
+            for one in (1, 2) if role == 3 else (role,):
+                if seen[one][index]:
+                    return False
+                seen[one][index] = 1
+            # F: whether it has no input (first block); B: whether it needs no next B (last block)
+            row.append((role, index, stage == 0 if role == 0 else stage == stages[pipe] - 1))
+        coded.append(row)
+    if -1 in pipe_of or sum(3 * stages[pipe] for pipe in pipe_of) != sum(map(sum, seen)):
+        return False  # a role is missing
+    return _runs_to_the_end(coded, m, len(seen[0]))
+
+
+def _runs_to_the_end(coded: list[list[tuple[int, int, bool]]], m: int, size: int) -> bool:
+    """Walk every rank's coded order, each pass once its inputs are done, until none can go on."""
+    done_f, done_b = bytearray(size), bytearray(size + m)
+    at = [0] * len(coded)
+    progress = True
+    while progress:
+        progress = False
+        for rank, row in enumerate(coded):
+            i, end = at[rank], len(row)
+            while i < end:
+                role, index, edge = row[i]
+                if role == 0:
+                    if not (edge or done_f[index - m]):
+                        break
+                    done_f[index] = 1
+                elif role == 2:
+                    if not done_b[index]:
+                        break
+                elif done_f[index] and (edge or done_b[index + m]):
+                    done_b[index] = 1
+                else:
+                    break
+                i += 1
+            if i > at[rank]:
+                at[rank], progress = i, True
+    return all(i == len(row) for i, row in zip(at, coded, strict=True))
 
 
 def check(schedule: Schedule, costs: CostModel | None = None, memory_limit: float | None = None) -> None:

@@ -70,18 +70,29 @@ class ToyGPT:
         )
 
     def chunks(self, config, schedule, rank: int) -> list:
-        """This rank's model chunks for ``schedule``'s placement, in chunk order."""
+        """This rank's model chunks for ``schedule``'s placements, in chunk order (a pipe's block: the same weights
+        whatever the pipe, so the copies of a block kept twice start equal)."""
         found = {}
         for placement in schedule.placements:
+            pipe_config = self._for(config, placement)
             for block, (owner, chunk) in enumerate(placement.blocks):
                 if owner == rank:
-                    found[chunk] = self.block(config, block, placement.num_stages, chunk)
+                    vp_stage = chunk - placement.chunk_base
+                    found[chunk] = self.block(pipe_config, block, placement.num_stages, vp_stage)
         return [found[chunk] for chunk in sorted(found)]
 
     def all_blocks(self, config, placement) -> list:
         """Every block of ``placement`` in layer order (the unpipelined reference)."""
-        n = placement.num_stages
-        return [self.block(config, block, n, placement.chunk_of(block)) for block in range(n)]
+        n, config = placement.num_stages, self._for(config, placement)
+        return [self.block(config, block, n, placement.chunk_of(block) - placement.chunk_base) for block in range(n)]
+
+    @staticmethod
+    def _for(config, placement):
+        """The config of one pipe: its own chunk count (a schedule with two pipes has both on every rank)."""
+        chunks = placement.chunks if placement.chunks > 1 else None
+        if config.virtual_pipeline_model_parallel_size == chunks:
+            return config
+        return replace(config, virtual_pipeline_model_parallel_size=chunks)
 
     def batches(self, count: int, stream: int = 0) -> list[dict]:
         """``count`` microbatches; ``stream`` tells data-parallel replicas apart."""

@@ -14,7 +14,8 @@ from megatron_zb.testing.pool import WorkerPool
 
 TOLERANCE = 1e-5
 # Refusals the grid is expected to meet, with a word their message must contain.
-EXPECTED_REFUSALS: set[tuple[str, str]] = set()  # (schedule, a word of its refusal) for settings it cannot run
+# (schedule, a word of its refusal) for settings it cannot run
+EXPECTED_REFUSALS: set[tuple[str, str]] = {("bitpipe", "divisible by pp"), ("bitpipe-zb", "divisible by pp")}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,15 @@ def run_case(name: str, pp: int, m: int, forward_only: bool = False, chunks: int
     with torch.no_grad() if forward_only else torch.enable_grad():
         reference = reference_step(blocks, batches) if not forward_only else _forward_losses(blocks, batches)
     worst, compared = (0.0, 0) if forward_only else compare_to_blocks(chunks, blocks, schedule, rank)
+    loss_pipes = [
+        pipe
+        for pipe, placement in enumerate(schedule.placements)
+        if placement.rank_of(placement.num_stages - 1) == rank
+    ]
     return {
         "losses": [float(d["lm loss"][0]) for d in losses],
+        # which microbatches this rank's losses are: its pipes' (several pipes carry disjoint microbatches)
+        "microbatches": sorted({p.microbatch for order in schedule.orders for p in order if p.pipe in loss_pipes}),
         "reference": reference,
         "worst_grad": worst,
         "compared": compared,
@@ -82,10 +90,12 @@ def _forward_losses(blocks, batches) -> list[float]:
 
 def check(results: list[dict], pp: int, m: int, forward_only: bool = False) -> None:
     loss_ranks = [r for r in results if r["losses"]]
-    assert len(loss_ranks) == len(results) // pp, "exactly one rank of each pipeline returns the losses"
+    covered = sorted(mb for r in loss_ranks for mb in r["microbatches"])
+    assert covered == sorted(list(range(m)) * (len(results) // pp)), "each microbatch's loss comes back from one rank"
     for result in loss_ranks:
-        assert len(result["losses"]) == m
-        worst_loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], result["reference"], strict=True))
+        assert len(result["losses"]) == len(result["microbatches"])
+        theirs = [result["reference"][mb] for mb in result["microbatches"]]
+        worst_loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], theirs, strict=True))
         assert worst_loss <= TOLERANCE, f"loss differs by {worst_loss:.2e}"
     if not forward_only:
         for rank, result in enumerate(results):
@@ -93,7 +103,8 @@ def check(results: list[dict], pp: int, m: int, forward_only: bool = False) -> N
             assert result["worst_grad"] <= TOLERANCE, f"rank {rank}: gradient differs by {result['worst_grad']:.2e}"
 
 
-GRID = [(name, pp, m) for pp in (2, 4) for m in (pp, 2 * pp + 1, 4 * pp) for name in names()]
+# every schedule at pp=2 with m = pp and an odd m, and at pp=4 in its steady state (m = 2pp)
+GRID = [(name, pp, m) for pp, m in ((2, 2), (2, 5), (4, 8)) for name in names()]
 
 
 @pytest.mark.parametrize("name,pp,m", GRID, ids=[f"{n}-pp{p}-m{m}" for n, p, m in GRID])
@@ -260,9 +271,9 @@ def run_profiled(name: str, pp: int = 2, m: int = 6) -> dict:
     costs = profiler.cost_model(schedule, group, (toy.seq, toy.micro_batch, toy.hidden))
     return {
         "costs": costs,
-        "passes": len(profiler.records),
+        "passes": sum(1 for r in profiler.records if r.pass_.kind.is_compute),  # actions are recorded too
         "expected_passes": 2 * len(schedule.orders[parallel_state.get_pipeline_model_parallel_rank()]),
-        "work": sum(r.end - r.start for r in profiler.records),
+        "work": sum(r.end - r.start for r in profiler.records if r.pass_.kind.is_compute),
         "wall": wall,
         "iterations": sorted({r.iteration for r in profiler.records}),
     }

@@ -1,0 +1,310 @@
+"""V building blocks repeated, packed and reordered: the controllable-memory paper's framework.
+
+The squeeze (v_squeeze.py) moves single passes into earlier empty slots. This reworks the two
+phases as a whole instead, in the same slot model (unit passes; memory F +1, W -1 per chunk):
+
+1. repeat the block for max(m, 2pp) microbatches and *pack* it: every rank keeps its order,
+   each pass in the first slot after its rank's previous pass and its input;
+2. rewrite each rank's *warm-up* (the passes before its first B0) as a run of early forwards,
+   then early and late forwards alternating (rank i runs at most i+1 late ones, and no more
+   forwards than the packed block's peak holds), then rounds of B1, W, one forward; pack;
+3. drop the extra microbatches and pack;
+4. rewrite the *cool-down*: each rank's last B0s (half the peak) and last B1s (at most i+1)
+   move to fixed slots two apart after rank 0's last late forward (the B0s towards the end,
+   the B1s right after it), the Ws they free are taken out and put back into the first empty
+   slots after the rank's last remaining W; pack;
+5. label each W with the oldest B that has none (the slot model does not tell which chunk's W
+   runs).
+
+A block whose rewrite would break a dependency, need more memory than its packed peak or put
+two passes in one slot is given up (None); v-auto keeps the squeezed block for it.
+"""
+
+from __future__ import annotations
+
+from ..ir import B, F, Pass, W
+
+F0, F1, B1, B0, W1, W0 = range(6)  # a microbatch's passes on a rank of the V (W1: the late chunk's W)
+RISE = (1, 1, 0, 0, -1, -1)
+Item = tuple[int, int]  # (type, microbatch)
+Orders = list[list[Item]]
+
+
+def reordered_orders(
+    p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
+) -> list[list[Pass]] | None:
+    """Per-rank orders of the block ``offsets`` (microbatch 0's slots of F0, F1, B1, B0 per rank)."""
+    reps = max(m, 2 * p)
+    orders = _repeat(offsets, reps)
+    slots = _pack(orders, p, reps)
+    if slots is None:
+        return None
+    bound = _peak(orders)
+    if bound > 2 * p:
+        return None
+    orders = [_warm_up(order, i, p, bound, reps) for i, order in enumerate(orders)]
+    slots = _pack(orders, p, reps)
+    if slots is None or _peak(orders) > bound:
+        return None
+    if m < reps:
+        orders = [_drop_extra_ws([(t, k) for t, k in order if k < m or t >= W1], m) for order in orders]
+        slots = _pack(orders, p, m)
+        if slots is None:
+            return None
+        bound = _peak(orders)
+    orders = _cool_down(orders, slots, p, m, _peak(orders))
+    if orders is None:
+        return None
+    slots = _pack(orders, p, m)
+    if slots is None:
+        return None
+    if fill:
+        orders = _fill_gaps(orders, slots, p, m, _peak(orders))
+    if _peak(orders) > bound:
+        return None
+    return _labelled(orders, p)
+
+
+def _repeat(offsets: list[tuple[int, int, int, int]], reps: int) -> Orders:
+    """Each rank's order of the block repeated ``reps`` times; W1 and W0 take the first free residues."""
+    orders = []
+    for f0, f1, b1, b0 in offsets:
+        used = {f0 % 6, f1 % 6, b1 % 6, b0 % 6}
+        w1 = b1 + 1 + next(j for j in range(6) if (b1 + 1 + j) % 6 not in used)
+        used.add(w1 % 6)
+        w0 = b0 + 1 + next(j for j in range(6) if (b0 + 1 + j) % 6 not in used)
+        bases = ((f0, F0), (f1, F1), (b1, B1), (b0, B0), (w1, W1), (w0, W0))
+        orders.append([(t, k) for _, k, t in sorted((s + 6 * k, k, t) for s, t in bases for k in range(reps))])
+    return orders
+
+
+def _peak(orders: Orders) -> int:
+    peak = 0
+    for order in orders:
+        level = 0
+        for t, _ in order:
+            level += RISE[t]
+            peak = max(peak, level)
+    return peak
+
+
+def _pack(orders: Orders, p: int, m: int) -> list[list[int]] | None:
+    """Slot of every pass, as early as its rank's order and its input allow; None if the orders stall."""
+    done = [[[-1] * m for _ in range(4)] for _ in range(p)]  # rank -> type -> microbatch -> slot
+    slots: list[list[int]] = [[] for _ in range(p)]
+    at, free = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            i, slot, mine = at[r], free[r], slots[r]
+            while i < len(order):
+                t, k = order[i]
+                if t < W1:
+                    source = _source(p, r, t)
+                    if source is not None:
+                        ready = done[source][t][k]
+                        if ready < 0:
+                            break
+                        slot = max(slot, ready + 1)
+                    done[r][t][k] = slot
+                mine.append(slot)
+                slot += 1
+                i += 1
+            if i > at[r]:
+                at[r], free[r], progress = i, slot, True
+    return slots if all(i == len(order) for i, order in zip(at, orders, strict=True)) else None
+
+
+def _source(p: int, r: int, t: int) -> int | None:
+    """The rank whose pass of the same type and microbatch feeds this one (None: its own rank)."""
+    if t in (F0, B1):
+        return r - 1 if r else None
+    return r + 1 if r < p - 1 else None
+
+
+def _warm_up(order: list[Item], i: int, p: int, peak: int, reps: int) -> list[Item]:
+    """Rank i's passes before its first B0, rewritten (step 2 of the module docstring)."""
+    end = next(j for j, (t, _) in enumerate(order) if t == B0)
+    have = [0] * 6
+    for t, _ in order[:end]:
+        have[t] += 1
+    late = min(i + 1, peak // 2, reps)
+    cap = [min(peak - late, reps, have[F0]), min(late, have[F1])]
+    used = [0] * 6
+    out: list[Item] = []
+
+    def put(t: int) -> None:
+        out.append((t, used[t]))
+        used[t] += 1
+
+    for _ in range(min(2 * (p - 1 - i), cap[0])):
+        put(F0)
+    for _ in range(i + 1):
+        if used[F0] < cap[0]:
+            put(F0)
+        if used[F1] < cap[1]:
+            put(F1)
+    while any(used[t] < have[t] for t in range(6)):
+        for t in (B1, W1):
+            if used[t] < have[t]:
+                put(t)
+        if used[F1] < have[F1]:
+            put(F1)
+        elif used[F0] < have[F0]:
+            put(F0)
+    return out + order[end:]
+
+
+def _drop_extra_ws(order: list[Item], m: int) -> list[Item]:
+    kept, seen = [], [0] * 6
+    for t, k in order:
+        seen[t] += 1
+        if t < W1 or seen[t] <= m:
+            kept.append((t, k))
+    return kept
+
+
+def _cool_down(orders: Orders, slots: list[list[int]], p: int, m: int, peak: int) -> Orders | None:
+    """Step 4 of the module docstring; None if two passes would share a slot."""
+    n_b0 = min((peak + 1) // 2, m)
+    n_b1 = min(peak - n_b0, m)
+    start = max(s for (t, _), s in zip(orders[0], slots[0], strict=True) if t == F1)
+    out = []
+    for i, (order, at) in enumerate(zip(orders, slots, strict=True)):
+        cells = dict(zip(at, order, strict=True))
+        moved = [0] * 6
+        for s in sorted(cells, reverse=True):
+            t = cells[s][0]
+            if (t == B1 and moved[B1] < min(i + 1, n_b1)) or (t == B0 and moved[B0] < n_b0):
+                del cells[s]
+                moved[t] += 1
+        for s in sorted(cells, reverse=True):
+            if moved[W1] >= moved[B1] and moved[W0] >= moved[B0] and moved[W1] + moved[W0] >= peak:
+                break
+            if cells[s][0] >= W1:
+                moved[cells.pop(s)[0]] += 1
+        targets = [(start - i + 2 * p - 2 * k, B0) for k in range(moved[B0])]
+        targets += [(start + 1 + i - 2 * k, B1) for k in range(moved[B1])]
+        for s, t in targets:
+            if s in cells:
+                return None
+            cells[s] = (t, -1)
+        out.append(_with_ws(cells))
+    return [_numbered(order) for order in out]
+
+
+def _with_ws(cells: dict[int, Item]) -> list[Item]:
+    """The rank's order with its missing Ws back: each empty slot after its last W takes one whose
+    B has run by then (the late chunk's first)."""
+    last_w = max((s for s, (t, _) in cells.items() if t >= W1), default=-1)
+    total = [0] * 6
+    for t, _ in cells.values():
+        total[t] += 1
+    missing = [total[B1] - total[W1], total[B0] - total[W0]]
+    owed = [0, 0]  # Bs run so far without a W
+    slot, end = 0, max(cells)
+    while any(missing):
+        item = cells.get(slot)
+        if item is not None:
+            t = item[0]
+            if t in (B1, B0):
+                owed[t - B1] += 1
+            elif t >= W1:
+                owed[t - W1] -= 1
+        elif slot > last_w:
+            for which in (0, 1):
+                if missing[which] and (owed[which] > 0 or slot > end):
+                    cells[slot] = (W1 + which, -1)
+                    missing[which] -= 1
+                    owed[which] -= 1
+                    break
+        slot += 1
+    return [cells[s] for s in sorted(cells)]
+
+
+def _fill_gaps(orders: Orders, slots: list[list[int]], p: int, m: int, peak: int) -> Orders:
+    """Fill each empty slot, earliest first, with the rank's next pass of some type that can move
+    there: its input in an earlier slot, and no level between the two slots above ``peak``."""
+    end = max(max(at) for at in slots) + 1
+    grid: list[list[Item | None]] = [[None] * end for _ in range(p)]
+    where = [[[end] * m for _ in range(6)] for _ in range(p)]  # rank -> type -> k -> slot
+    for r, (order, at) in enumerate(zip(orders, slots, strict=True)):
+        for (t, k), s in zip(order, at, strict=True):
+            grid[r][s] = (t, k)
+            where[r][t][k] = s
+    last = [at[-1] for at in slots]
+    level = [0] * p
+    for j in range(end):
+        for r in range(p):
+            cells = grid[r]
+            if cells[j] is None and j < last[r]:
+                _fill_one(cells, where, r, j, p, peak - level[r], last[r])
+            if cells[j] is not None:
+                level[r] += RISE[cells[j][0]]
+    return [[cell for cell in cells if cell is not None] for cells in grid]
+
+
+def _fill_one(cells: list[Item | None], where: list, r: int, j: int, p: int, room: int, last: int) -> None:
+    """Move into empty slot j of rank r the first pass of a type that may go there (see ``_fill_gaps``)."""
+    tried: set[int] = set()
+    rise = top = 0
+    for s in range(j + 1, last + 1):
+        item = cells[s]
+        if item is None:
+            continue
+        t, k = item
+        below = top  # the highest level between j and s, relative to the level at j
+        rise += RISE[t]
+        top = max(top, rise)
+        if t in tried:
+            continue
+        tried.add(t)
+        needs = _producer(p, r, t)
+        if (RISE[t] <= 0 or below < room) and (needs is None or where[needs[0]][needs[1]][k] < j):
+            cells[j], cells[s] = item, None
+            where[r][t][k] = j
+            return
+        if len(tried) == 6:
+            return
+
+
+def _producer(p: int, r: int, t: int) -> tuple[int, int] | None:
+    """(rank, type) of the pass of the same microbatch (the k-th W: the k-th B) that must run first."""
+    if t >= W1:
+        return r, t - 2
+    source = _source(p, r, t)
+    if source is not None:
+        return source, t
+    return None if t == F0 else (r, t - 1)  # the V's turns: F0 -> F1 on the last rank, F1 -> B1 on rank 0
+
+
+def _numbered(order: list[Item]) -> list[Item]:
+    """Microbatches by order of appearance per type (each type keeps its microbatches in order)."""
+    seen = [0] * 6
+    out = []
+    for t, _ in order:
+        out.append((t, seen[t]))
+        seen[t] += 1
+    return out
+
+
+def _labelled(orders: Orders, p: int) -> list[list[Pass]] | None:
+    """Passes of the blocks; each W belongs to the oldest B of the rank still without one."""
+    result = []
+    for r, order in enumerate(orders):
+        early, late = r, 2 * p - 1 - r
+        waiting: list[Pass] = []
+        passes = []
+        for t, k in order:
+            if t >= W1:
+                if not waiting:
+                    return None
+                passes.append(waiting.pop(0))
+                continue
+            block = early if t in (F0, B0) else late
+            passes.append((F if t in (F0, F1) else B)(block, k))
+            if t in (B1, B0):
+                waiting.append(W(block, k))
+        result.append(passes)
+    return result
