@@ -48,9 +48,13 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put megatron-core's function back everywhere ours was bound, and undo every other hook."""
+    """Put megatron-core's function back everywhere ours was bound, and undo every other hook.
+
+    The runners go too: each holds its latest model, optimizer backend and process groups.
+    """
     patching.undo()
     _from_args.clear()
+    _runners.clear()
     if _original is None:
         return
     ours, this = get_forward_backward_func, sys.modules[__name__]
@@ -117,8 +121,13 @@ def megatron_lm_settings() -> ZeroBubbleSettings | None:
 
 
 def runner_for(settings: ZeroBubbleSettings):
-    """One ForwardBackward per settings, so its planned schedules (and its re-plan) outlive an iteration."""
+    """One ForwardBackward per settings, so its planned schedules (and its re-plan) outlive an iteration.
+
+    Only the latest settings' runner is kept: a runner holds its latest model and process groups,
+    which a run with other settings (a new model, new groups) must not keep alive.
+    """
     if settings not in _runners:
+        _runners.clear()
         from ..runtime import ForwardBackward
         from ..runtime.replan import ReplanWindow
 

@@ -21,6 +21,13 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+# A worker holding more threads than this after a case is replaced before the next one. Process
+# groups that outlive their case keep their gloo threads, which wake up all the time: megatron-core's
+# DDP with overlap_grad_reduce leaves its gradient hooks (and through them the model, its buffers'
+# groups) held by autograd nodes that Python's cycle collector cannot see, about 50 threads a case.
+# Hundreds of them took half a core per worker and slowed every later case of the session.
+MAX_THREADS = 300
+
 
 class WorkerError(RuntimeError):
     """A case raised on some rank; the message carries every failing rank's traceback."""
@@ -52,12 +59,13 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], threads: int
             break
         fn, kwargs = job
         try:
-            outbox.put((rank, True, fn(**kwargs)))
+            reply = (True, fn(**kwargs))
         except BaseException as error:  # report everything, keep serving
-            outbox.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+            reply = (False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
         # The case's models and runners are garbage now; collect their cycles so that the process
         # groups they held (each with gloo threads that keep waking up) go before the next case.
         gc.collect()
+        outbox.put((rank, *reply, len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0))
     dist.destroy_process_group()
 
 
@@ -92,10 +100,12 @@ class WorkerPool:
             inbox.put((fn, kwargs))
         results: dict[int, object] = {}
         failures: dict[int, str] = {}
+        most_threads = 0
         try:
             for _ in range(self.world_size):
-                rank, ok, value = self._outbox.get(timeout=self.timeout_s)
+                rank, ok, value, threads = self._outbox.get(timeout=self.timeout_s)
                 (results if ok else failures)[rank] = value
+                most_threads = max(most_threads, threads)
                 if failures and len(results) + len(failures) < self.world_size:
                     # The others may wait forever on the failed rank: collect what arrives soon.
                     self._collect_quickly(results, failures)
@@ -110,6 +120,8 @@ class WorkerPool:
                 f"\n--- rank {rank}: {failures[rank].splitlines()[0]}" for rank in others
             )
             raise WorkerError(f"{fn.__name__}({kwargs}) failed on rank(s) {sorted(failures)}:\n{text}")
+        if most_threads > MAX_THREADS:
+            self.close()  # the next run starts fresh processes
         return [results[rank] for rank in range(self.world_size)]
 
     def _collect_quickly(self, results: dict, failures: dict, wait_s: float = 5.0) -> None:
@@ -117,7 +129,7 @@ class WorkerPool:
 
         while len(results) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self._outbox.get(timeout=wait_s)
+                rank, ok, value, _ = self._outbox.get(timeout=wait_s)
             except queue.Empty:
                 return
             (results if ok else failures)[rank] = value

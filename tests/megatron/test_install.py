@@ -112,3 +112,25 @@ def test_importing_megatron_zb_needs_no_torch() -> None:
     script = "import sys, megatron_zb; print('torch' in sys.modules, 'megatron.core' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["False", "False"], done.stderr
+
+
+def test_only_the_latest_settings_keep_a_runner_and_uninstall_drops_it() -> None:
+    """A runner holds its latest model and process groups: settings of an earlier run must not keep one alive."""
+    import dataclasses
+
+    from megatron_zb.megatron import install
+    from megatron_zb.megatron.args import ZeroBubbleSettings
+    from megatron_zb.schedule.placement import Placement
+
+    linear = Placement(kind="linear", pp=2, chunks=1, blocks=((0, 0), (1, 0)))
+    first = ZeroBubbleSettings("zb-1p", None, None, 4, linear, False, None, None, False, "exact", 60.0)
+    second = dataclasses.replace(first, schedule="zb-2p")
+    try:
+        runner = install.runner_for(first)
+        assert install.runner_for(first) is runner  # kept across iterations
+        assert install.runner_for(second) is not runner
+        assert list(install._runners) == [second]
+        install.uninstall()
+        assert install._runners == {}
+    finally:
+        install.uninstall()

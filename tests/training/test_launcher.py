@@ -1,10 +1,11 @@
 """The launcher trains the same model whatever the schedule, and resumes exactly from a checkpoint.
 
-pp=4 runs the real command, ``megatron-zb train --cpu`` (which spawns its gloo processes);
-pp=2 x dp=2 and pp=2 x tp=2 run the same entry point (``run_rank``) inside one worker pool,
-so they pay the megatron-core import once; there megatron-core's own 1F1B (no schedule flag)
-must agree too. Each setting trains 1f1b, zb-2p and zb-v for 10
-iterations from one seed, then zb-v again stopping at 5 with a checkpoint and resuming.
+Every setting (pp=4, pp=2 x dp=2, pp=2 x tp=2) runs the launcher's per-rank entry point
+(``run_rank``) inside one worker pool, so they pay the megatron-core import once; each trains
+1f1b, zb-2p and zb-v for 10 iterations from one seed, then zb-v again stopping at 5 with a
+checkpoint and resuming; with data or tensor parallelism megatron-core's own 1F1B (no schedule
+flag) must agree too. The real command, ``megatron-zb train --cpu`` (which spawns its own gloo
+processes), runs once, and must give run_rank's losses bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megatron_zb.testing.pool import WorkerPool
 from megatron_zb.training.arguments import parse
 
 TOLERANCE = 1e-5
+PP4 = "--pipeline-model-parallel-size 4 --global-batch-size 16"
 SCHEDULES = ("1f1b", "zb-2p", "zb-v")
 MODEL = (
     "--cpu --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 --mock-data "
@@ -53,35 +55,6 @@ def losses_of(path: Path) -> dict[int, float]:
     return {row["iteration"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def test_cli_pp4_schedules_agree_and_resume_exactly(tmp_path: Path) -> None:
-    pp = "--pipeline-model-parallel-size 4 --global-batch-size 16"
-    full = {}
-    for name in SCHEDULES:
-        metrics = tmp_path / f"{name}.jsonl"
-        extra = f" --trace-file {tmp_path / 'trace.json'}" if name == "zb-v" else ""
-        done = cli(f"{pp} --pipeline-schedule {name} --metrics-file {metrics}{extra}")
-        assert done.returncode == 0, done.stderr[-3000:]
-        full[name] = losses_of(metrics)
-    assert "iteration       10/      10" in done.stdout and "measured bubble" in done.stdout
-    trace = json.loads((tmp_path / "trace.json").read_text())
-    assert trace["otherData"]["iterations"] == [9, 10]  # the traced iteration and the one before
-    forwards = [
-        event["tid"]
-        for event in trace["traceEvents"]
-        if event.get("ph") == "X" and event["cat"] == "F" and event["args"]["iteration"] == 10
-    ]
-    assert sorted(set(forwards)) == [0, 1, 2, 3]  # one track per pipeline rank
-    assert all(forwards.count(rank) == 16 for rank in range(4))  # two V chunks x 8 microbatches
-    saved = tmp_path / "checkpoints"
-    done = cli(f"{pp} --pipeline-schedule zb-v --exit-interval 5 --save {saved} --metrics-file {tmp_path / 'a.jsonl'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
-    done = cli(f"{pp} --pipeline-schedule zb-v --load {saved} --metrics-file {tmp_path / 'b.jsonl'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout
-    check_runs(full, losses_of(tmp_path / "a.jsonl"), losses_of(tmp_path / "b.jsonl"))
-
-
 def test_cli_refuses_before_starting_any_process() -> None:
     done = cli("--pipeline-model-parallel-size 4 --pipeline-schedule zb-v --num-layers 12")
     assert done.returncode == 2
@@ -107,6 +80,40 @@ def pool_losses(pool: WorkerPool, argv: str) -> dict[int, float]:
     found = [losses for losses in pool.run(train_case, args=args) if losses]
     assert found and all(losses == found[0] for losses in found), "the last pipeline ranks agree on the losses"
     return found[0]
+
+
+@pytest.fixture(scope="module")
+def pp4_zbv(pool: WorkerPool) -> dict[int, float]:
+    """zb-v at pp=4 through ``run_rank`` in the pool: the losses the real command must reproduce."""
+    return pool_losses(pool, f"{PP4} --pipeline-schedule zb-v")
+
+
+def test_pp4_schedules_agree_and_resume_exactly(pool: WorkerPool, pp4_zbv: dict[int, float], tmp_path: Path) -> None:
+    full = {name: pool_losses(pool, f"{PP4} --pipeline-schedule {name}") for name in SCHEDULES if name != "zb-v"}
+    full["zb-v"] = pp4_zbv
+    saved = tmp_path / "checkpoints"
+    first = pool_losses(pool, f"{PP4} --pipeline-schedule zb-v --exit-interval 5 --save {saved}")
+    assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    resumed = pool_losses(pool, f"{PP4} --pipeline-schedule zb-v --load {saved}")
+    check_runs(full, first, resumed)
+
+
+def test_the_real_command_trains_as_run_rank_does(pp4_zbv: dict[int, float], tmp_path: Path) -> None:
+    """One end-to-end run of ``megatron-zb train --cpu`` (it spawns its own four gloo processes)."""
+    metrics, trace = tmp_path / "zb-v.jsonl", tmp_path / "trace.json"
+    done = cli(f"{PP4} --pipeline-schedule zb-v --metrics-file {metrics} --trace-file {trace}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iteration       10/      10" in done.stdout and "measured bubble" in done.stdout
+    assert losses_of(metrics) == pp4_zbv
+    trace = json.loads(trace.read_text())
+    assert trace["otherData"]["iterations"] == [9, 10]  # the traced iteration and the one before
+    forwards = [
+        event["tid"]
+        for event in trace["traceEvents"]
+        if event.get("ph") == "X" and event["cat"] == "F" and event["args"]["iteration"] == 10
+    ]
+    assert sorted(set(forwards)) == [0, 1, 2, 3]  # one track per pipeline rank
+    assert all(forwards.count(rank) == 16 for rank in range(4))  # two V chunks x 8 microbatches
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,10 @@
 Each case runs the real launcher (``python -m megatron_zb.testing.stall``: ``megatron-zb train
 --cpu`` with one rank sleeping at a chosen point) with a 4 s timeout, and checks the report:
 the stalled rank is the one named, each other rank waited at most the timeout + 10 s in the
-collective or transfer it was blocked on, and the run ends with exit code 1 soon after the
-stall began. The last case interrupts a run with SIGINT.
+collective or transfer it was blocked on, and the run ends with exit code 1 well before the stall
+(120 s) would have: about 6 s here, up to 26 s on a loaded CI machine (the launcher's SIGTERM
+grace and the interpreters' exit count too), hence the END_S bound. The last case interrupts a run
+with SIGINT.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from megatron_zb.training.watchdog import describe, stalled_ranks, timeout_report
 
 TIMEOUT_S = 4.0
+END_S = TIMEOUT_S + 40  # the stall lasts 120 s: a run ending by then was ended by the watchdog
 MODEL = (
     "--cpu --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 --mock-data "
     "--micro-batch-size 2 --lr 3e-3 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7"
@@ -55,7 +58,7 @@ def check_report(done, lines: dict[int, str], seconds: float, stalled: int, worl
         if rank != stalled:
             assert 0 < waited(line) <= TIMEOUT_S + 10, line
     assert f"megatron-zb train: ended all {world_size} ranks" in done.stderr
-    assert seconds <= TIMEOUT_S + 10, f"{seconds:.1f} s from the stall to the end of the run"
+    assert seconds <= END_S, f"{seconds:.1f} s from the stall to the end of the run"
     assert "Traceback" not in done.stderr, done.stderr
 
 
@@ -142,7 +145,7 @@ def test_sigint_ends_every_rank(tmp_path: Path) -> None:
             launcher.kill()
     assert code == 130, stderr
     assert "megatron-zb train: SIGINT received: ended all 2 ranks" in stderr, stderr
-    assert seconds < 10
+    assert seconds < 20  # 1000 iterations would take minutes
     assert len(ranks) == 2 and not [pid for pid in ranks if alive(pid)]
 
 
