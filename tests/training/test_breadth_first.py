@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_zb.testing.launcher import pool_losses
 from megatron_zb.testing.pool import WorkerPool
 from megatron_zb.training.arguments import parse
 
@@ -30,19 +31,8 @@ def pool(worker_pools) -> WorkerPool:
     return worker_pools.get(4)
 
 
-def train_case(args) -> dict[int, float]:
-    import torch
-
-    from megatron_zb.pretrain_gpt import run_rank
-
-    rows = run_rank(args, torch.device("cpu"), gloo=True)
-    return {row["iteration"]: row["loss"] for row in rows if row["loss"] is not None}
-
-
 def losses(pool: WorkerPool, argv: str) -> dict[int, float]:
-    found = [found for found in pool.run(train_case, args=parse(f"{MODEL} {argv}".split())) if found]
-    assert found and all(one == found[0] for one in found)
-    return found[0]
+    return pool_losses(pool, parse(f"{MODEL} {argv}".split()))
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))

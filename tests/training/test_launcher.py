@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_zb.testing.launcher import pool_losses as losses_in_pool
 from megatron_zb.testing.pool import WorkerPool
 from megatron_zb.training.arguments import parse
 
@@ -66,20 +67,8 @@ def pool(worker_pools) -> WorkerPool:
     return worker_pools.get(4)
 
 
-def train_case(args) -> dict[int, float]:
-    import torch
-
-    from megatron_zb.pretrain_gpt import run_rank
-
-    rows = run_rank(args, torch.device("cpu"), gloo=True)
-    return {row["iteration"]: row["loss"] for row in rows if row["loss"] is not None}
-
-
 def pool_losses(pool: WorkerPool, argv: str) -> dict[int, float]:
-    args = parse((MODEL + " --cpu-procs 4 " + argv).split())
-    found = [losses for losses in pool.run(train_case, args=args) if losses]
-    assert found and all(losses == found[0] for losses in found), "the last pipeline ranks agree on the losses"
-    return found[0]
+    return losses_in_pool(pool, parse((MODEL + " --cpu-procs 4 " + argv).split()))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_zb.cli import main as megatron_zb
+from megatron_zb.testing.launcher import pool_losses
 from megatron_zb.testing.pool import WorkerPool
 from megatron_zb.training.arguments import parse
 
@@ -22,20 +23,8 @@ def pool(worker_pools) -> WorkerPool:
     return worker_pools.get(2)
 
 
-def train_case(args) -> dict[int, float]:
-    import torch
-
-    from megatron_zb.pretrain_gpt import run_rank
-
-    rows = run_rank(args, torch.device("cpu"), gloo=True)
-    return {row["iteration"]: row["loss"] for row in rows if row["loss"] is not None}
-
-
 def losses(pool: WorkerPool, schedule: str) -> dict[int, float]:
-    args = parse(f"{MODEL} --pipeline-schedule {schedule}".split())
-    found = [losses for losses in pool.run(train_case, args=args) if losses]
-    assert len(found) == 1, "one rank logs the losses"
-    return found[0]
+    return pool_losses(pool, parse(f"{MODEL} --pipeline-schedule {schedule}".split()))
 
 
 def test_an_exported_zb_v_trains_like_zb_v(pool: WorkerPool, tmp_path: Path) -> None:

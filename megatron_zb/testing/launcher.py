@@ -1,0 +1,28 @@
+"""The launcher's per-rank entry point run inside a worker pool: the losses a training run logs.
+
+Tests compare schedules by these losses; running ``run_rank`` in a pool instead of spawning
+``megatron-zb train --cpu`` per run saves a megatron-core import per rank and run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .pool import WorkerPool
+
+
+def rank_losses(args: argparse.Namespace) -> dict[int, float]:
+    """On a pooled worker: train this rank as the launcher does; iteration -> loss where it logged one."""
+    import torch
+
+    from megatron_zb.pretrain_gpt import run_rank
+
+    rows = run_rank(args, torch.device("cpu"), gloo=True)
+    return {row["iteration"]: row["loss"] for row in rows if row["loss"] is not None}
+
+
+def pool_losses(pool: WorkerPool, args: argparse.Namespace) -> dict[int, float]:
+    """The losses of a run on every rank of ``pool``; the ranks that log them must agree."""
+    found = [losses for losses in pool.run(rank_losses, args=args) if losses]
+    assert found and all(losses == found[0] for losses in found), "the logging ranks disagree on the losses"
+    return found[0]
