@@ -39,22 +39,21 @@ from .search import (
     uniform,
     with_seeds,
 )
-from .timing import timed
-from .v_blocks import Offsets, blocks_by_level
 from .v_family import (
     V_SWITCHES,
+    block_peak,
     building_block_plan,
+    one_f_one_b_peak,
     v_half_offsets,
     v_min_offsets,
     v_spec,
     zb_v_plan,
     zbv_seed,
 )
-from .v_squeeze import squeezed_orders
+from .v_levels import level_candidates, lowest_block_peak
 
 LADDER_SWITCHES = (Switches(prefer_b=True), Switches(prefer_b=False))
 LADDER_BUDGET = 50_000  # passes the ladder may schedule; bounds planning time at large pp and m
-BLOCK_BUDGET = 60_000  # passes of squeezed building blocks
 
 
 def ladder(placement: Placement, costs: CostModel, m_eval: int, top: float) -> tuple[list[float], tuple[Switches, ...]]:
@@ -71,87 +70,58 @@ def ladder(placement: Placement, costs: CostModel, m_eval: int, top: float) -> t
     return [need + k * step for k in range(int((top - need) / step + EPS) + 1)], switches
 
 
-def family_seeds(spec: ScheduleSpec) -> list[Schedule | Result]:
-    """zb-v, v-half and v-min as planned by their generators, their blocks and the PyTorch-style ZB-V order."""
-    seeds: list[Schedule | Result] = [zbv_seed("v-auto", spec)]
-    try:
-        seeds.append(zb_v_plan(spec))
-    except ScheduleError:
-        pass
+def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Schedule | Result]:
+    """zb-v, v-half and v-min as planned by their generators, their blocks and the PyTorch-style ZB-V
+    order; a family whose memory is over ``limit`` is not planned."""
+    fits = float("inf") if limit is None else limit + EPS
+    families = [(one_f_one_b_peak(spec), lambda: [zb_v_plan(spec)])]
     for offsets, name in ((v_half_offsets, "v-half"), (v_min_offsets, "v-min")):
-        try:
-            best, blocks = building_block_plan(name, spec, offsets)
-        except ScheduleError:
-            continue
-        seeds += [best, *blocks]
+        families.append((block_peak(spec, offsets), lambda o=offsets, n=name: _block_family(n, spec, o)))
+    seeds: list[Schedule | Result] = [zbv_seed("v-auto", spec)]
+    for peak, planned in families:
+        if peak <= fits:
+            try:
+                seeds += planned()
+            except ScheduleError:
+                continue  # a family that cannot plan this setting is no seed
     return seeds
 
 
-def _squeezed(placement: Placement, costs: CostModel, block: Offsets, m: int) -> Result:
-    result = timed(squeezed_orders(placement.pp, m, lambda p, r: block[r]), placement, costs, m)
-    if result is None:
-        raise ScheduleError("a squeezed building block deadlocked")
-    return result
+def _block_family(name: str, spec: ScheduleSpec, offsets) -> list[Result]:
+    best, blocks = building_block_plan(name, spec, offsets)
+    return [best, *blocks]
 
 
-def block_planners(spec: ScheduleSpec, placement: Placement, costs: CostModel, limit: float | None) -> list[Planner]:
-    """The best block of each memory level that fits ``limit``, picked on at most 2pp microbatches.
-
-    The pick per level does not depend on the limit: a larger limit only adds levels. Large
-    settings (ranked on a sample of the microbatches anyway) take only the first block of the
-    highest levels that fit.
-    """
-    fits = limit + EPS if limit is not None else float("inf")
-    levels = [blocks for _, blocks in blocks_by_level(spec.pp, costs)]
-    sample = min(spec.microbatches, 2 * spec.pp)
-    passes = 3 * sample * placement.num_stages
-    if eval_microbatches(spec.microbatches, placement) < spec.microbatches:
-        fitting = [[block for block, peak in blocks if peak <= fits] for blocks in levels]
-        picks = [blocks[0] for blocks in [b for b in fitting if b][-max(1, BLOCK_BUDGET // passes // 4) :]]
-    else:
-        per_level = max(1, min(4, BLOCK_BUDGET // (passes * max(1, len(levels)))))
-        picks = []
-        for blocks in levels:
-            if min(peak for _, peak in blocks) > fits:
-                break
-            best, peak = min((_squeezed(placement, costs, b, sample).score(), (b, pk)) for b, pk in blocks[:per_level])[
-                1
-            ]
-            if peak <= fits:
-                picks.append(best)
-    return [(lambda n, b=block: _squeezed(placement, costs, b, n)) for block in picks]
-
-
-def _greedy_planners(placement: Placement, costs: CostModel, m_eval: int, limit: float | None) -> list[Planner]:
-    """The list scheduler unlimited (if it fits), on the ladder up to ``limit``, and at ``limit`` if off the ladder."""
+def _greedy_planners(
+    placement: Placement, costs: CostModel, m_eval: int, limit: float | None, below: float = math.inf
+) -> list[Planner]:
+    """The list scheduler unlimited (if it fits), on the ladder up to ``limit``, and at ``limit`` if off
+    the ladder; only where it peaks, or is capped, under ``below``."""
     planners: list[Planner] = []
+    top = math.inf if limit is None else limit + EPS
     unlimited = greedy_orders(placement, costs, m_eval, None)
-    if limit is None or unlimited.peak <= limit + EPS:
+    if unlimited.peak <= top and unlimited.peak < below:
         planners.append(lambda n: greedy_orders(placement, costs, n, None))
     caps, switches = ladder(placement, costs, m_eval, unlimited.peak)
     for cap in caps:
-        if limit is None or cap <= limit + EPS:
+        if cap <= top and cap < below:
             planners += greedy_planners(placement, costs, cap, switches)
-    if limit is not None and limit < unlimited.peak and all(abs(cap - limit) > EPS for cap in caps):
+    if limit is not None and limit < min(unlimited.peak, below) and all(abs(cap - limit) > EPS for cap in caps):
         planners += greedy_planners(placement, costs, limit, switches)
     return planners
 
 
 @register("v-auto", "V-shape list schedule under --memory-limit (any limit from v-min's to zb-v's)")
 def generate_v_auto(spec: ScheduleSpec) -> Schedule:
-    """On large settings with the same costs on every stage the list scheduler only runs when no
-    other candidate fits (it never won there on our grid, and it is the slow part)."""
+    """With the same costs on every stage and m >= 2pp the list scheduler only runs under the
+    least memory a building block needs (above it, it never won on our grid, and it is slow)."""
     v_spec("v-auto", spec)
     placement, limit, m = v_shape(spec.pp), spec.memory_limit, spec.microbatches
     costs = check_limit("v-auto", spec, placement, limit)
-    m_eval = eval_microbatches(m, placement)
-    lean = m_eval < m and uniform(costs)
-    planners = block_planners(spec, placement, costs, limit)
-    if not lean:
-        planners += _greedy_planners(placement, costs, m_eval, limit)
-    best = with_seeds(best_plan(planners, placement, costs, m, limit), family_seeds(spec), placement, costs, limit)
-    if best is None and lean:
-        best = best_plan(_greedy_planners(placement, costs, m_eval, limit), placement, costs, m, limit)
+    below = lowest_block_peak(spec.pp, costs) if m >= 2 * spec.pp and uniform(costs) else math.inf
+    planners = _greedy_planners(placement, costs, eval_microbatches(m, placement), limit, below)
+    seeds = family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit)
+    best = with_seeds(best_plan(planners, placement, costs, m, limit), seeds, placement, costs, limit)
     if best is None:
         raise ScheduleError(f"v-auto: no heuristic could plan pp={spec.pp}, microbatches={m}")
     return finish("v-auto", spec, placement, costs, limit, best.orders)

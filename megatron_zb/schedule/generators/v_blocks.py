@@ -7,11 +7,12 @@ next rank shifts them by an offset vector: the downward passes (F0, B1) by +d, t
 ones (F1, B0) by -1, with d = ``d_first`` on the first ``first_ranks`` hops and ``d_rest``
 after. Larger d lengthens a microbatch's life on the rank: more memory, less bubble. The
 microbatch-0 slots follow its data flow (each pass in the first slot after its input with
-the right residue); the squeeze (v_squeeze.py) then turns the repeated block into orders.
+the right residue); the squeeze (v_squeeze.py) and the reordering (v_reorder.py) turn the
+repeated block into orders.
 
 There are a few hundred distinct blocks per pp, grouped by the peak memory of their plain
-repetition in quarter stages; v-auto squeezes the most promising few of each group (see
-``all_blocks``), keeps the best of each group, and plans those that fit its limit.
+repetition in quarter stages; v-auto screens them level by level (v_levels.py), in the order
+``all_blocks`` ranks them when it cannot screen a whole level.
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""The best orders v-auto can make from V building blocks, level by level of memory.
+
+Blocks (v_blocks.py) are grouped by the peak of their plain repetition in quarter stages. A
+level's blocks are *screened*: each is reordered (v_reorder.py) for 2pp microbatches and timed
+with the real costs. Many blocks turn into the same orders; the few with the best distinct
+screening times are then planned for all microbatches three ways (squeezed, reordered,
+reordered with its gaps filled). Every order found is kept as a candidate, and the best of
+each peak memory (in quarter stages) is polished (polish.py) without raising that peak.
+
+Screening costs a pass budget. Levels are screened from the highest that fits the limit down
+while the budget lasts: on small settings that is every level, so the candidates do not depend
+on the limit and v-auto does not grow with it; on large ones the highest levels that fit,
+where the best orders come from (measured at pp 8 and 16 on the paper's profiles).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..costs import CostModel
+from ..placement import v_shape
+from .polish import polish
+from .result import Result
+from .timing import timed
+from .v_blocks import Offsets, blocks_by_level
+from .v_reorder import reordered_orders
+from .v_squeeze import squeezed_orders
+
+EPS = 1e-9
+SMALL_PASSES = 100_000  # settings whose every block screens within this many passes screen them all
+TOP_PASSES = 130_000  # otherwise: passes screened in the highest level that fits (one block at least),
+SCREEN_PASSES = 50_000  # and in all levels together, from that one down
+FINALISTS = 3  # blocks per peak planned for all microbatches (distinct screening times)
+POLISHED = 2  # peaks whose best order is polished, the highest first (every peak on small settings)
+
+
+def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> list[Result]:
+    """Orders from the building blocks of the levels that fit ``limit``, with the polished best of each peak."""
+    fits = float("inf") if limit is None else limit + EPS
+    levels = blocks_by_level(p, costs)
+    sample = min(m, 2 * p)
+    per_block = 12 * p * p  # passes a screening reorder handles (it repeats 2pp microbatches at least)
+    small = per_block * sum(len(blocks) for _, blocks in levels) <= SMALL_PASSES
+    budget = SCREEN_PASSES
+    found: list[Result] = []
+    for _, blocks in reversed(levels):
+        fitting = [block for block, peak in blocks if peak <= fits]
+        if not fitting:
+            continue
+        if not small:
+            allowed = budget if found else max(budget, TOP_PASSES)
+            fitting = fitting[: max(int(allowed // per_block), not found)]
+            if not fitting:
+                break
+            budget -= per_block * len(fitting)
+        found += _level(p, m, costs, fitting, sample, fits)
+    return found + _polished(p, costs, found, None if small else POLISHED)
+
+
+def lowest_block_peak(p: int, costs: CostModel) -> float:
+    """The least peak of a plain building block: below it v-auto has no block to offer."""
+    return min(peak for _, peak in blocks_by_level(p, costs)[0][1])
+
+
+def _level(p: int, m: int, costs: CostModel, blocks: list[Offsets], sample: int, fits: float) -> list[Result]:
+    """The finalists of one level, each planned three ways for m microbatches.
+
+    A reordered block may peak above its plain repetition, so the finalists are chosen per
+    peak (in quarter stages) of the screened orders, among the peaks that fit.
+    """
+    screened: dict[int, list[tuple[tuple[float, float, float], int]]] = {}
+    for index, block in enumerate(blocks):
+        result = _reordered(p, sample, costs, block, fill=True) or _squeezed(p, sample, costs, block)
+        if result.peak <= fits:
+            screened.setdefault(_bucket(result.peak, costs), []).append((result.score(), index))
+    finalists: list[Offsets] = []
+    for _, ranked in sorted(screened.items()):
+        seen: set[tuple[float, float, float]] = set()
+        for score, index in sorted(ranked):
+            if len(seen) == FINALISTS:
+                break
+            if score not in seen and blocks[index] not in finalists:
+                seen.add(score)
+                finalists.append(blocks[index])
+    found = []
+    for block in finalists:
+        found.append(_squeezed(p, m, costs, block))
+        for fill in (False, True):
+            result = _reordered(p, m, costs, block, fill)
+            if result is not None:
+                found.append(result)
+    return found
+
+
+def _bucket(peak: float, costs: CostModel) -> int:
+    return math.ceil(round(peak / (min(costs.mem_f) / 4), 6))
+
+
+def _polished(p: int, costs: CostModel, found: list[Result], highest: int | None) -> list[Result]:
+    """The best candidate of each peak (in quarter stages; the ``highest`` ones), polished under that peak."""
+    best: dict[int, Result] = {}
+    for result in found:
+        level = _bucket(result.peak, costs)
+        if level not in best or result.score() < best[level].score():
+            best[level] = result
+    chosen = sorted(best.items())[-highest:] if highest else sorted(best.items())
+    return [polish(result, v_shape(p), costs, result.peak) for _, result in chosen]
+
+
+def _squeezed(p: int, m: int, costs: CostModel, block: Offsets) -> Result:
+    result = timed(squeezed_orders(p, m, lambda _, r: block[r]), v_shape(p), costs, m)
+    assert result is not None, "a squeezed block keeps every input before its pass"
+    return result
+
+
+def _reordered(p: int, m: int, costs: CostModel, block: Offsets, fill: bool) -> Result | None:
+    orders = reordered_orders(p, m, list(block), fill)
+    return None if orders is None else timed(orders, v_shape(p), costs, m)
