@@ -29,14 +29,30 @@ Offsets = tuple[tuple[int, int, int, int], ...]  # per rank: absolute slots of F
 
 def block_offsets(p: int, pattern: tuple[int, int, int], d_first: int, d_rest: int, first_ranks: int) -> Offsets | None:
     """Microbatch 0's slots of a block, or None if two passes of a rank share a residue."""
-    residues = [(0, *pattern)]
-    for rank in range(1, p):
-        d = d_first if rank - 1 < first_ranks else d_rest
-        f0, f1, b1, b0 = residues[-1]
+    hops = min(first_ranks, p - 1)
+    residues = _residues((0, *pattern), d_first, hops)
+    rest = _residues(residues[-1], d_rest, p - 1 - hops)
+    if len(residues) <= hops or len(rest) < p - hops:
+        return None
+    return _walk(residues + rest[1:])
+
+
+def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple[int, int, int, int]]:
+    """Residues of up to ``hops`` ranks after ``start`` (downward passes shifted by d, upward by -1),
+    stopping before the first rank where two passes would share one."""
+    found = [start]
+    for _ in range(hops):
+        f0, f1, b1, b0 = found[-1]
         shifted = ((f0 + d) % PERIOD, (f1 - 1) % PERIOD, (b1 + d) % PERIOD, (b0 - 1) % PERIOD)
         if len(set(shifted)) < 4:
-            return None
-        residues.append(shifted)
+            break
+        found.append(shifted)
+    return found
+
+
+def _walk(residues: list[tuple[int, int, int, int]]) -> Offsets:
+    """Microbatch 0's data flow: each pass in the first slot after its input with its residue."""
+    p = len(residues)
     slots = [[0] * 4 for _ in range(p)]
     t = -1
     walk = [(r, 0) for r in range(p)] + [(r, 1) for r in reversed(range(p))]
@@ -48,11 +64,18 @@ def block_offsets(p: int, pattern: tuple[int, int, int], d_first: int, d_rest: i
 
 
 def _w_slots(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
-    used = {f0 % PERIOD, f1 % PERIOD, b1 % PERIOD, b0 % PERIOD}
+    gap1, gap0 = _w_gaps(f0 % PERIOD, f1 % PERIOD, b1 % PERIOD, b0 % PERIOD)
+    return b1 + gap1, b0 + gap0
+
+
+@cache
+def _w_gaps(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
+    """Slots from B1 to W1 and from B0 to W0: each W in the first free residue after its B."""
+    used = {f0, f1, b1, b0}
     w1 = b1 + 1 + next(j for j in range(PERIOD) if (b1 + 1 + j) % PERIOD not in used)
     used.add(w1 % PERIOD)
     w0 = b0 + 1 + next(j for j in range(PERIOD) if (b0 + 1 + j) % PERIOD not in used)
-    return w1, w0
+    return w1 - b1, w0 - b0
 
 
 @cache
@@ -67,15 +90,18 @@ def all_blocks(p: int) -> dict[Offsets, tuple[bool, int, int]]:
     found: dict[Offsets, tuple[bool, int, int]] = {}
     for pattern in permutations(range(1, PERIOD), 3):
         for d_first in range(1, PERIOD):
+            first = _residues((0, *pattern), d_first, p - 1)  # up to the first rank where two collide
             for d_rest in range(1, d_first + 1):
-                for first_ranks in range(1, max(2, p)):
-                    offsets = block_offsets(p, pattern, d_first, d_rest, first_ranks)
-                    if offsets is None or offsets in found:
+                # d_rest = d_first: every first_ranks gives the same block
+                for hops in range(1, min(len(first) - 1, p - 1 if d_rest < d_first else 1) + 1) if p > 1 else (0,):
+                    rest = _residues(first[hops], d_rest, p - 1 - hops)
+                    if len(rest) < p - hops:
                         continue
-                    tight = min(d_first, d_rest if first_ranks < p - 1 else d_first) < 2
-                    life = 0
-                    for f0, f1, b1, b0 in offsets:
-                        life = max(life, max(_w_slots(f0, f1, b1, b0)) - f0)
+                    offsets = _walk(first[: hops + 1] + rest[1:])
+                    if offsets in found:
+                        continue
+                    tight = min(d_first, d_rest if hops < p - 1 else d_first) < 2
+                    life = max(max(_w_slots(*slots)) - slots[0] for slots in offsets)
                     found[offsets] = (tight, -d_first, life)
     return found
 
@@ -86,23 +112,41 @@ def plain_peak(offsets: Offsets, costs: CostModel) -> float:
     Once every pass of microbatch 0 has run on a rank, the level after slot t counts, for each
     pass, the microbatches that have run it: (t - slot) // 6 + 1.
     """
-    p = len(offsets)
-    peak = 0.0
-    for rank, (f0, f1, b1, b0) in enumerate(offsets):
-        w1, w0 = _w_slots(f0, f1, b1, b0)
-        early, late = rank // 2, (2 * p - 1 - rank) // 2  # full stages of the V's blocks (v_shape)
-        deltas = (
-            (f0, costs.mem_f[early]),
-            (f1, costs.mem_f[late]),
-            (b1, costs.mem_b[late]),
-            (b0, costs.mem_b[early]),
-            (w1, costs.mem_w[late]),
-            (w0, costs.mem_w[early]),
-        )
-        last = max(w0, w1)
-        for t in range(last, last + PERIOD):
-            peak = max(peak, sum(delta / 2 * ((t - slot) // PERIOD + 1) for slot, delta in deltas))
-    return peak
+    return _plain_peak(offsets, _rank_memory(costs))
+
+
+def _rank_memory(costs: CostModel) -> list[tuple[float, ...]]:
+    """Per rank: the memory F0, F1, B1, B0, W1, W0 allocate (full stages of the V's blocks, see v_shape)."""
+    p = costs.pp
+    found = []
+    for rank in range(p):
+        early, late = rank // 2, (2 * p - 1 - rank) // 2
+        memory = (costs.mem_f[early], costs.mem_f[late], costs.mem_b[late], costs.mem_b[early])
+        found.append(memory + (costs.mem_w[late], costs.mem_w[early]))
+    return found
+
+
+def _plain_peak(offsets: Offsets, memory: list[tuple[float, ...]]) -> float:
+    return max(
+        _rank_peak(f1 - f0, b1 - f0, b0 - f0, mem) for (f0, f1, b1, b0), mem in zip(offsets, memory, strict=True)
+    )
+
+
+@cache
+def _rank_peak(f1: int, b1: int, b0: int, memory: tuple[float, ...]) -> float:
+    """A rank's steady-state peak: its slots counted from its F0's, the memory of F0, F1, B1, B0, W1, W0.
+
+    After slot t the level is the sum over passes of delta * ((t - slot) // 6 + 1). A stage's
+    F, B and W deltas add up to 0, so with slot = 6q + r that is -sum(delta * q) minus the deltas
+    of the passes whose residue r is above t's: the peak is the largest over t's six residues.
+    """
+    w1, w0 = _w_slots(0, f1, b1, b0)
+    slots = (0, f1, b1, b0, w1, w0)
+    base = -sum(delta / 2 * (slot // PERIOD) for slot, delta in zip(slots, memory, strict=True))
+    return base + max(
+        -sum(delta / 2 for slot, delta in zip(slots, memory, strict=True) if slot % PERIOD > residue)
+        for residue in range(PERIOD)
+    )
 
 
 def blocks_by_level(p: int, costs: CostModel) -> list[tuple[float, list[tuple[Offsets, float]]]]:
@@ -117,7 +161,8 @@ def _levels(p: int, mem_f: tuple, mem_b: tuple, mem_w: tuple) -> list[tuple[floa
     blocks = all_blocks(p)
     quarter = min(mem_f) / 4
     levels: dict[int, list[tuple[Offsets, float]]] = {}
+    memory = _rank_memory(costs)
     for block in sorted(blocks, key=lambda b: (blocks[b], b)):
-        peak = plain_peak(block, costs)
+        peak = _plain_peak(block, memory)
         levels.setdefault(math.ceil(round(peak / quarter, 6)), []).append((block, peak))
     return [(level * quarter, ranked) for level, ranked in sorted(levels.items())]
