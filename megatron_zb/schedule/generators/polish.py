@@ -24,7 +24,7 @@ from .result import Result
 
 EPS = 1e-9
 BUDGET_PASSES = 400_000  # passes timed in all, over the candidates tried (bounds the time taken)
-MIN_TRIES, MAX_TRIES = 20, 4_000
+MIN_TRIES, MAX_TRIES = 1, 4_000
 
 Timing = tuple[list[float], list[float], list[int]]  # start, end, cause (-1: the rank's previous pass)
 

@@ -48,7 +48,6 @@ from .v_family import (
     v_min_offsets,
     v_spec,
     zb_v_plan,
-    zbv_seed,
 )
 from .v_levels import level_candidates, lowest_block_peak
 
@@ -71,19 +70,24 @@ def ladder(placement: Placement, costs: CostModel, m_eval: int, top: float) -> t
 
 
 def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Schedule | Result]:
-    """zb-v, v-half and v-min as planned by their generators, their blocks and the PyTorch-style ZB-V
-    order; a family whose memory is over ``limit`` is not planned."""
+    """zb-v (seeded with the PyTorch-style ZB-V order), v-half and v-min as planned by their
+    generators, and their blocks; a family whose memory is over ``limit`` is not planned. On large
+    settings only the one with the most memory that fits is (more memory, less bubble: the others
+    never won there)."""
     fits = float("inf") if limit is None else limit + EPS
     families = [(one_f_one_b_peak(spec), lambda: [zb_v_plan(spec)])]
     for offsets, name in ((v_half_offsets, "v-half"), (v_min_offsets, "v-min")):
         families.append((block_peak(spec, offsets), lambda o=offsets, n=name: _block_family(n, spec, o)))
-    seeds: list[Schedule | Result] = [zbv_seed("v-auto", spec)]
-    for peak, planned in families:
+    large = eval_microbatches(spec.microbatches, v_shape(spec.pp)) < spec.microbatches
+    seeds: list[Schedule | Result] = []
+    for peak, planned in sorted(families, key=lambda family: -family[0]):
         if peak <= fits:
             try:
                 seeds += planned()
             except ScheduleError:
                 continue  # a family that cannot plan this setting is no seed
+            if large:
+                break
     return seeds
 
 
@@ -114,14 +118,19 @@ def _greedy_planners(
 @register("v-auto", "V-shape list schedule under --memory-limit (any limit from v-min's to zb-v's)")
 def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     """With the same costs on every stage and m >= 2pp the list scheduler only runs under the
-    least memory a building block needs (above it, it never won on our grid, and it is slow)."""
+    least memory a building block needs (above it, it never won on our grid, and it is slow); on
+    large settings then only if nothing else fits."""
     v_spec("v-auto", spec)
     placement, limit, m = v_shape(spec.pp), spec.memory_limit, spec.microbatches
     costs = check_limit("v-auto", spec, placement, limit)
-    below = lowest_block_peak(spec.pp, costs) if m >= 2 * spec.pp and uniform(costs) else math.inf
-    planners = _greedy_planners(placement, costs, eval_microbatches(m, placement), limit, below)
+    m_eval = eval_microbatches(m, placement)
+    lean = m >= 2 * spec.pp and uniform(costs)
+    below = lowest_block_peak(spec.pp, costs) if lean else math.inf
+    planners = [] if lean and m_eval < m else _greedy_planners(placement, costs, m_eval, limit, below)
     seeds = family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit)
     best = with_seeds(best_plan(planners, placement, costs, m, limit), seeds, placement, costs, limit)
+    if best is None and lean and m_eval < m:
+        best = best_plan(_greedy_planners(placement, costs, m_eval, limit), placement, costs, m, limit)
     if best is None:
         raise ScheduleError(f"v-auto: no heuristic could plan pp={spec.pp}, microbatches={m}")
     return finish("v-auto", spec, placement, costs, limit, best.orders)

@@ -127,26 +127,30 @@ def _rank_memory(costs: CostModel) -> list[tuple[float, ...]]:
 
 
 def _plain_peak(offsets: Offsets, memory: list[tuple[float, ...]]) -> float:
-    return max(
-        _rank_peak(f1 - f0, b1 - f0, b0 - f0, mem) for (f0, f1, b1, b0), mem in zip(offsets, memory, strict=True)
-    )
+    """See ``plain_peak``. After slot t the level is the sum over passes of delta * ((t - slot) // 6 + 1).
+    A stage's F, B and W deltas add up to 0, so with slot = 6q + r that is -sum(delta * q) minus the
+    deltas of the passes whose residue r is above t's: the peak is the largest over t's six residues."""
+    peak = -math.inf
+    for (f0, f1, b1, b0), mem in zip(offsets, memory, strict=True):
+        f1, b1, b0 = f1 - f0, b1 - f0, b0 - f0
+        gap1, gap0, bonus = _rank_shape(f1 % PERIOD, b1 % PERIOD, b0 % PERIOD, mem)
+        w1, w0 = b1 + gap1, b0 + gap0
+        quotients = (f1 // PERIOD, b1 // PERIOD, b0 // PERIOD, w1 // PERIOD, w0 // PERIOD)
+        base = -sum(delta * q for delta, q in zip(mem[1:], quotients, strict=True)) / 2
+        peak = max(peak, base + bonus)
+    return peak
 
 
 @cache
-def _rank_peak(f1: int, b1: int, b0: int, memory: tuple[float, ...]) -> float:
-    """A rank's steady-state peak: its slots counted from its F0's, the memory of F0, F1, B1, B0, W1, W0.
-
-    After slot t the level is the sum over passes of delta * ((t - slot) // 6 + 1). A stage's
-    F, B and W deltas add up to 0, so with slot = 6q + r that is -sum(delta * q) minus the deltas
-    of the passes whose residue r is above t's: the peak is the largest over t's six residues.
-    """
-    w1, w0 = _w_slots(0, f1, b1, b0)
-    slots = (0, f1, b1, b0, w1, w0)
-    base = -sum(delta / 2 * (slot // PERIOD) for slot, delta in zip(slots, memory, strict=True))
-    return base + max(
-        -sum(delta / 2 for slot, delta in zip(slots, memory, strict=True) if slot % PERIOD > residue)
-        for residue in range(PERIOD)
+def _rank_shape(f1: int, b1: int, b0: int, memory: tuple[float, ...]) -> tuple[int, int, float]:
+    """For a rank's residues counted from its F0's: the slots from B1 to W1 and from B0 to W0, and
+    the largest -sum(delta of the passes with a residue above t's) over t's residues."""
+    gap1, gap0 = _w_gaps(0, f1, b1, b0)
+    residues = (0, f1, b1, b0, (b1 + gap1) % PERIOD, (b0 + gap0) % PERIOD)
+    bonus = max(
+        -sum(delta for r, delta in zip(residues, memory, strict=True) if r > residue) / 2 for residue in range(PERIOD)
     )
+    return gap1, gap0, bonus
 
 
 def blocks_by_level(p: int, costs: CostModel) -> list[tuple[float, list[tuple[Offsets, float]]]]:

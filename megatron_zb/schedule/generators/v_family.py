@@ -21,11 +21,12 @@ from ..ir import B, F, Pass, Schedule, ScheduleError, W
 from ..placement import v_shape
 from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
+from .extend import planned
 from .greedy import ALL_SWITCHES
 from .result import Result
-from .search import Planner, finish, search
-from .timing import timed
+from .search import Planner, eval_microbatches, finish, search
 from .torch_style import zbv_orders
+from .v_blocks import plain_peak
 from .v_squeeze import squeezed_orders
 from .zbv_rounds import V_ROUND_SWITCHES, v_round_orders
 
@@ -90,7 +91,13 @@ def block_schedule(name: str, spec: ScheduleSpec, offsets) -> Schedule:
 
 
 def block_peak(spec: ScheduleSpec, offsets) -> float:
-    """Peak memory of the plain building block: the limit v-half and v-min keep."""
+    """Peak memory of the plain building block: the limit v-half and v-min keep.
+
+    On large settings (at least 2pp microbatches, more than one lives on a rank) that is the
+    steady state's peak, found without repeating the block (v_blocks.plain_peak).
+    """
+    if eval_microbatches(spec.microbatches, v_shape(spec.pp)) < spec.microbatches:
+        return plain_peak(tuple(tuple(offsets(spec.pp, rank)) for rank in range(spec.pp)), spec.cost_model())
     block = block_schedule("block", spec, offsets)
     return max(max((0.0, *levels)) for levels in memory_levels(block, spec.cost_model()))
 
@@ -99,8 +106,8 @@ def block_results(spec: ScheduleSpec, offsets) -> list[Result]:
     """The plain building block and the squeezed one, timed (the squeezed one may peak above the block)."""
     p, m, costs = spec.pp, spec.microbatches, spec.cost_model()
     found = []
-    for orders in (block_orders(p, m, offsets), squeezed_orders(p, m, offsets)):
-        result = timed(orders, v_shape(p), costs, m)
+    for orders in (block_orders, squeezed_orders):
+        result = planned(lambda n, make=orders: make(p, n, offsets), v_shape(p), costs, m)
         if result is not None:
             found.append(result)
     return found

@@ -10,7 +10,10 @@ each peak memory (in quarter stages) is polished (polish.py) without raising tha
 Screening costs a pass budget. Levels are screened from the highest that fits the limit down
 while the budget lasts: on small settings that is every level, so the candidates do not depend
 on the limit and v-auto does not grow with it; on large ones the highest levels that fit,
-where the best orders come from (measured at pp 8 and 16 on the paper's profiles).
+where the best orders come from (measured at pp 8 and 16 on the paper's profiles). Where
+planning all microbatches is slow (``eval_microbatches``), the finalists are planned for fewer,
+only reordered (the squeezed orders never won there), and the best of each peak is extended to
+all of them (extend.py).
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import math
 
 from ..costs import CostModel
 from ..placement import v_shape
+from .extend import extended
 from .polish import polish
 from .result import Result
-from .timing import timed
+from .search import eval_microbatches
+from .timing import timed, timed_codes
 from .v_blocks import Offsets, blocks_by_level
 from .v_reorder import reordered_orders
 from .v_squeeze import squeezed_orders
 
 EPS = 1e-9
-SMALL_PASSES = 100_000  # settings whose every block screens within this many passes screen them all
+SMALL_PASSES = 160_000  # settings whose every block screens within this many passes screen them all
 TOP_PASSES = 130_000  # otherwise: passes screened in the highest level that fits (one block at least),
-SCREEN_PASSES = 50_000  # and in all levels together, from that one down
+SCREEN_PASSES = 50_000  # and in all levels together, from that one down (large settings: in all of them)
 FINALISTS = 3  # blocks per peak planned for all microbatches (distinct screening times)
 POLISHED = 2  # peaks whose best order is polished, the highest first (every peak on small settings)
 
@@ -39,6 +44,7 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
     fits = float("inf") if limit is None else limit + EPS
     levels = blocks_by_level(p, costs)
     sample = min(m, 2 * p)
+    planned_m = eval_microbatches(m, v_shape(p))  # large settings: plan fewer, then extend (extend.py)
     per_block = 12 * p * p  # passes a screening reorder handles (it repeats 2pp microbatches at least)
     small = per_block * sum(len(blocks) for _, blocks in levels) <= SMALL_PASSES
     budget = SCREEN_PASSES
@@ -48,13 +54,17 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
         if not fitting:
             continue
         if not small:
-            allowed = budget if found else max(budget, TOP_PASSES)
+            allowed = budget if found or planned_m < m else max(budget, TOP_PASSES)
             fitting = fitting[: max(int(allowed // per_block), not found)]
             if not fitting:
                 break
             budget -= per_block * len(fitting)
-        found += _level(p, m, costs, fitting, sample, fits)
-    return found + _polished(p, costs, found, None if small else POLISHED)
+        found += _level(p, planned_m, costs, fitting, sample, fits, squeeze=planned_m == m)
+    found += _polished(p, costs, found, None if small else POLISHED)
+    if planned_m == m:
+        return found
+    longer = (extended(result.codes, planned_m, 6, m - planned_m) for result in _best_by_peak(found, costs).values())
+    return [result for result in (timed_codes(codes, v_shape(p), costs, m) for codes in longer if codes) if result]
 
 
 def lowest_block_peak(p: int, costs: CostModel) -> float:
@@ -62,15 +72,20 @@ def lowest_block_peak(p: int, costs: CostModel) -> float:
     return min(peak for _, peak in blocks_by_level(p, costs)[0][1])
 
 
-def _level(p: int, m: int, costs: CostModel, blocks: list[Offsets], sample: int, fits: float) -> list[Result]:
-    """The finalists of one level, each planned three ways for m microbatches.
+def _level(
+    p: int, m: int, costs: CostModel, blocks: list[Offsets], sample: int, fits: float, squeeze: bool
+) -> list[Result]:
+    """The finalists of one level, each planned for m microbatches reordered with and without its gaps
+    filled, and squeezed if ``squeeze``.
 
     A reordered block may peak above its plain repetition, so the finalists are chosen per
     peak (in quarter stages) of the screened orders, among the peaks that fit.
     """
     screened: dict[int, list[tuple[tuple[float, float, float], int]]] = {}
+    filled: dict[Offsets, Result | None] = {}  # the screening reorders, planned again only for other m
     for index, block in enumerate(blocks):
-        result = _reordered(p, sample, costs, block, fill=True) or _squeezed(p, sample, costs, block)
+        filled[block] = _reordered(p, sample, costs, block, fill=True)
+        result = filled[block] or _squeezed(p, sample, costs, block)
         if result.peak <= fits:
             screened.setdefault(_bucket(result.peak, costs), []).append((result.score(), index))
     finalists: list[Offsets] = []
@@ -84,9 +99,9 @@ def _level(p: int, m: int, costs: CostModel, blocks: list[Offsets], sample: int,
                 finalists.append(blocks[index])
     found = []
     for block in finalists:
-        found.append(_squeezed(p, m, costs, block))
-        for fill in (False, True):
-            result = _reordered(p, m, costs, block, fill)
+        again = filled[block] if m == sample else _reordered(p, m, costs, block, fill=True)
+        squeezed = (_squeezed(p, m, costs, block),) if squeeze else ()
+        for result in (*squeezed, _reordered(p, m, costs, block, fill=False), again):
             if result is not None:
                 found.append(result)
     return found
@@ -98,13 +113,18 @@ def _bucket(peak: float, costs: CostModel) -> int:
 
 def _polished(p: int, costs: CostModel, found: list[Result], highest: int | None) -> list[Result]:
     """The best candidate of each peak (in quarter stages; the ``highest`` ones), polished under that peak."""
+    best = _best_by_peak(found, costs)
+    chosen = sorted(best.items())[-highest:] if highest else sorted(best.items())
+    return [polish(result, v_shape(p), costs, result.peak) for _, result in chosen]
+
+
+def _best_by_peak(found: list[Result], costs: CostModel) -> dict[int, Result]:
     best: dict[int, Result] = {}
     for result in found:
         level = _bucket(result.peak, costs)
         if level not in best or result.score() < best[level].score():
             best[level] = result
-    chosen = sorted(best.items())[-highest:] if highest else sorted(best.items())
-    return [polish(result, v_shape(p), costs, result.peak) for _, result in chosen]
+    return best
 
 
 def _squeezed(p: int, m: int, costs: CostModel, block: Offsets) -> Result:

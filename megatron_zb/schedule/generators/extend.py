@@ -1,0 +1,71 @@
+"""Plan a periodic order on few microbatches, then stretch its steady state to all of them.
+
+Building-block orders repeat in their steady state: on every rank, one pass of each kind per
+chunk, the next microbatch each time. Planning them for m microbatches costs time in m, yet
+all that changes with m is how often that period repeats. So plan for fewer, find on each rank
+one period followed by the same period one microbatch later, and insert as many more copies
+as the missing microbatches after it; every pass after the copies moves up by that many
+microbatches. Each kind of pass keeps its microbatches in order on every rank, and the copies
+are what a longer steady state would hold. The caller times (and ``build`` validates) the
+result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..costs import CostModel
+from ..ir import Pass
+from ..placement import Placement
+from .result import CODE, Result, encode
+from .search import eval_microbatches
+from .timing import timed, timed_codes
+
+
+def extended(codes: list[list[int]], m: int, period: int, more: int) -> list[list[int]] | None:
+    """Encoded orders for m microbatches (result.py) with ``more`` added to every rank's steady state,
+    encoded for m + more; None if a rank has no steady period.
+
+    ``period``: passes of one microbatch on a rank (3 per chunk, F, B and W).
+    """
+    out = []
+    longer = m + more
+    for order in codes:
+        at = _steady(order, m, period)
+        if at is None:
+            return None
+        cut = at + period
+        recoded = [code // m * longer + code % m for code in order]
+        copies = [code + k for k in range(1, more + 1) for code in recoded[at:cut]]
+        out.append(recoded[:cut] + copies + [code + more for code in recoded[cut:]])
+    return out
+
+
+def _steady(order: list[int], m: int, period: int) -> int | None:
+    """Where a period starts that the next period repeats one microbatch later (the middle one, if several)."""
+    # repeats[i]: the pass a period after i is i's pass (kind and stage) for the next microbatch
+    repeats = [y == x + 1 and y % m != 0 for x, y in zip(order, order[period:], strict=False)]
+    found, run = [], 0
+    for i, ok in enumerate(repeats):
+        run = run + 1 if ok else 0
+        if run >= period:
+            found.append(i - period + 1)
+    return found[len(found) // 2] if found else None
+
+
+def planned(
+    plan: Callable[[int], Sequence[Sequence[Pass]] | None], placement: Placement, costs: CostModel, m: int
+) -> Result | None:
+    """``plan``'s orders for m microbatches, timed: planned for fewer and extended on large settings
+    (``eval_microbatches``), or planned for all where that is cheap or no steady period is found."""
+    fewer = eval_microbatches(m, placement)
+    if fewer < m:
+        orders = plan(fewer)
+        if orders is not None:
+            n = placement.num_stages
+            codes = [[encode(CODE[x.kind], x.stage, x.microbatch, n, fewer) for x in order] for order in orders]
+            longer = extended(codes, fewer, 3 * placement.chunks, m - fewer)
+            if longer is not None:
+                return timed_codes(longer, placement, costs, m)
+    orders = plan(m)
+    return None if orders is None else timed(orders, placement, costs, m)
