@@ -42,23 +42,32 @@ def extended(codes: list[list[int]], m: int, period: int, more: int) -> list[lis
 
 
 def _steady(order: list[int], m: int, period: int) -> int | None:
-    """Where a period starts that the next period repeats one microbatch later (the middle one, if several)."""
+    """Where a period starts that the next period repeats one microbatch later: the middle of the
+    longest stretch of such periods (away from the warm-up and the cool-down)."""
     # repeats[i]: the pass a period after i is i's pass (kind and stage) for the next microbatch
     repeats = [y == x + 1 and y % m != 0 for x, y in zip(order, order[period:], strict=False)]
-    found, run = [], 0
-    for i, ok in enumerate(repeats):
-        run = run + 1 if ok else 0
-        if run >= period:
-            found.append(i - period + 1)
-    return found[len(found) // 2] if found else None
+    best, start = (0, 0), 0
+    for i, ok in enumerate([*repeats, False]):
+        if not ok:
+            best, start = max(best, (i - start, start)), i + 1
+    length, first = best
+    return None if length < period else first + (length - period) // 2
+
+
+def fewer_microbatches(m: int, placement: Placement) -> int:
+    """How many microbatches to plan before stretching: m where that is cheap (``eval_microbatches``),
+    else enough for a steady state between the warm-up and the cool-down (3pp; with 2pp the squeezed
+    blocks' two phases still touch)."""
+    fewer = eval_microbatches(m, placement)
+    return m if fewer >= m else min(m, max(fewer, 3 * placement.pp))
 
 
 def planned(
     plan: Callable[[int], Sequence[Sequence[Pass]] | None], placement: Placement, costs: CostModel, m: int
 ) -> Result | None:
     """``plan``'s orders for m microbatches, timed: planned for fewer and extended on large settings
-    (``eval_microbatches``), or planned for all where that is cheap or no steady period is found."""
-    fewer = eval_microbatches(m, placement)
+    (``fewer_microbatches``), or planned for all where that is cheap or no steady period is found."""
+    fewer = fewer_microbatches(m, placement)
     if fewer < m:
         orders = plan(fewer)
         if orders is not None:

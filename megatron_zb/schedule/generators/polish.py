@@ -7,11 +7,13 @@ the pass before it or when an input arrived. That chain is the critical path; no
 can shorten the span. Where the path runs through several passes back to back on one rank (a
 *run*), reordering that run can let the chain leave the rank earlier, as in job-shop local
 search: swap the first two or the last two passes of a run, or move its first pass to its end
-or its last to its start. Where the rank waited for an input before a run, a later pass of the
-rank that is ready by then and fits in the wait can fill it. A move is kept when the orders
+or its last to its start; a W inside a run can wait until the run's end. Where the rank waited
+for an input before a run, a later pass of the rank that is ready by then and fits in the wait
+can fill it. A move is kept when the orders
 still run (no deadlock), no rank's memory goes over the limit, and the schedule gets strictly
 better by stage span, then makespan. First improvement, repeated until no move helps or a budget of
-timed candidates is spent: deterministic, no clock.
+timed candidates is spent: deterministic, no clock. Orders too large for a useful budget are left
+as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .result import Result
 
 EPS = 1e-9
 BUDGET_PASSES = 400_000  # passes timed in all, over the candidates tried (bounds the time taken)
-MIN_TRIES, MAX_TRIES = 1, 4_000
+MIN_TRIES, MAX_TRIES = 20, 4_000  # fewer tries than MIN_TRIES rarely help: then no polish
 
 Timing = tuple[list[float], list[float], list[int]]  # start, end, cause (-1: the rank's previous pass)
 
@@ -126,7 +128,9 @@ def _critical_runs(model: _Model, orders: list[list[int]], timing: Timing) -> li
 
 
 def _moves(model: _Model, orders: list[list[int]], timing: Timing, runs) -> Iterator[tuple[int, int, int]]:
-    """(rank, from, to) moves of one pass: job-shop moves inside each run, then fills of the waits before runs."""
+    """(rank, from, to) moves of one pass: job-shop moves inside each run, a W inside a run to its end
+    (weight gradients wait best), then fills of the waits before runs."""
+    weight = 2 * model.n * model.m  # codes from here on are Ws
     for r, i, j in runs:
         if j > i:
             yield r, i + 1, i
@@ -134,6 +138,9 @@ def _moves(model: _Model, orders: list[list[int]], timing: Timing, runs) -> Iter
         if j > i + 1:
             yield r, i, j
             yield r, j, i
+        for k in range(i + 1, j):
+            if orders[r][k] >= weight:
+                yield r, k, j
     start, end, _ = timing
     for r, i, _ in runs:
         if i == 0:
@@ -157,8 +164,9 @@ def _arrival(model: _Model, y: int, r: int, end: list[float]) -> float:
 def polish(result: Result, placement: Placement, costs: CostModel, limit: float | None) -> Result:
     """``result`` improved by critical-path moves (itself when no move helps or it has fused BW passes)."""
     m = result.microbatches
-    if any(code >= 3 * result.stages * m for order in result.codes for code in order):
-        return result  # BW passes: nothing to split into the moves
+    tries = min(MAX_TRIES, BUDGET_PASSES // (3 * result.stages * m))
+    if tries < MIN_TRIES or any(code >= 3 * result.stages * m for order in result.codes for code in order):
+        return result  # too large to search, or BW passes: nothing to split into the moves
     model = _Model(placement, costs, m)
     cap = float("inf") if limit is None else limit + EPS
     orders = [list(order) for order in result.codes]
@@ -166,7 +174,6 @@ def polish(result: Result, placement: Placement, costs: CostModel, limit: float 
     if timing is None:
         return result
     best = _score(orders, timing)
-    tries = max(MIN_TRIES, min(MAX_TRIES, BUDGET_PASSES // max(1, model.size)))
     improved = True
     while improved and tries > 0:
         improved = False

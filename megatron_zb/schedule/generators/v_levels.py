@@ -11,7 +11,7 @@ Screening costs a pass budget. Levels are screened from the highest that fits th
 while the budget lasts: on small settings that is every level, so the candidates do not depend
 on the limit and v-auto does not grow with it; on large ones the highest levels that fit,
 where the best orders come from (measured at pp 8 and 16 on the paper's profiles). Where
-planning all microbatches is slow (``eval_microbatches``), the finalists are planned for fewer,
+planning all microbatches is slow (``fewer_microbatches``), the finalists are planned for fewer,
 only reordered (the squeezed orders never won there), and the best of each peak is extended to
 all of them (extend.py).
 """
@@ -22,10 +22,9 @@ import math
 
 from ..costs import CostModel
 from ..placement import v_shape
-from .extend import extended
+from .extend import extended, fewer_microbatches
 from .polish import polish
 from .result import Result
-from .search import eval_microbatches
 from .timing import timed, timed_codes
 from .v_blocks import Offsets, blocks_by_level
 from .v_reorder import reordered_orders
@@ -44,7 +43,7 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
     fits = float("inf") if limit is None else limit + EPS
     levels = blocks_by_level(p, costs)
     sample = min(m, 2 * p)
-    planned_m = eval_microbatches(m, v_shape(p))  # large settings: plan fewer, then extend (extend.py)
+    planned_m = fewer_microbatches(m, v_shape(p))  # large settings: plan fewer, then extend (extend.py)
     per_block = 12 * p * p  # passes a screening reorder handles (it repeats 2pp microbatches at least)
     small = per_block * sum(len(blocks) for _, blocks in levels) <= SMALL_PASSES
     budget = SCREEN_PASSES
