@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import time
 
 from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.ir import ScheduleError
@@ -82,6 +83,114 @@ REFERENCE: dict[tuple[str, int, int], dict[str, float]] = {
     ("D", 32, 256): {"zb-1p": 0.058882, "zb-2p": 0.001356, "zb-v": 0.021210},
 }
 
+# Stage-span bubbles of the reference's adaptive V scheduler (zerobubble/scheduler/v_auto_schedule.py:
+# every building block, repeated, squeezed and reordered, the best by its own timing) with max_mem = 2L
+# chunk activations and half-stage costs, run from a fetched copy outside this repository, its orders
+# converted to ours and timed by our simulator; each peaks at L in our units. Keyed (profile letter, pp,
+# m, --memory-limit L).
+REFERENCE_V_AUTO: dict[tuple[str, int, int, float], float] = {
+    ("A", 8, 16, 4.0): 0.337618,
+    ("A", 8, 16, 4.5): 0.329082,
+    ("A", 8, 16, 5.0): 0.234438,
+    ("A", 8, 16, 5.5): 0.213377,
+    ("A", 8, 16, 6.0): 0.195967,
+    ("A", 8, 16, 6.5): 0.174841,
+    ("A", 8, 16, 7.0): 0.15046,
+    ("A", 8, 16, 7.5): 0.131655,
+    ("A", 8, 24, 4.0): 0.299251,
+    ("A", 8, 24, 4.5): 0.291184,
+    ("A", 8, 24, 5.0): 0.169541,
+    ("A", 8, 24, 5.5): 0.153144,
+    ("A", 8, 24, 6.0): 0.139775,
+    ("A", 8, 24, 6.5): 0.123774,
+    ("A", 8, 24, 7.0): 0.105603,
+    ("A", 8, 24, 7.5): 0.091798,
+    ("A", 8, 32, 4.0): 0.278351,
+    ("A", 8, 32, 4.5): 0.27006,
+    ("A", 8, 32, 5.0): 0.132784,
+    ("A", 8, 32, 5.5): 0.119431,
+    ("A", 8, 32, 6.0): 0.108627,
+    ("A", 8, 32, 6.5): 0.095795,
+    ("A", 8, 32, 7.0): 0.08135,
+    ("A", 8, 32, 7.5): 0.070466,
+    ("A", 8, 64, 4.0): 0.244553,
+    ("A", 8, 64, 4.5): 0.235902,
+    ("A", 8, 64, 5.0): 0.071113,
+    ("A", 8, 64, 5.5): 0.063508,
+    ("A", 8, 64, 6.0): 0.057433,
+    ("A", 8, 64, 6.5): 0.050307,
+    ("A", 8, 64, 7.0): 0.0424,
+    ("A", 8, 64, 7.5): 0.03652,
+    ("A", 16, 48, 8.0): 0.300556,
+    ("A", 16, 48, 9.0): 0.18985,
+    ("A", 16, 48, 10.0): 0.182159,
+    ("A", 16, 48, 11.0): 0.160327,
+    ("A", 16, 48, 12.0): 0.144373,
+    ("A", 16, 48, 13.0): 0.128681,
+    ("A", 16, 48, 14.0): 0.112572,
+    ("A", 16, 48, 15.0): 0.094732,
+    ("B", 8, 16, 4.0): 0.285344,
+    ("B", 8, 16, 4.5): 0.273899,
+    ("B", 8, 16, 5.0): 0.202593,
+    ("B", 8, 16, 5.5): 0.180398,
+    ("B", 8, 16, 6.0): 0.160768,
+    ("B", 8, 16, 6.5): 0.138004,
+    ("B", 8, 16, 7.0): 0.111523,
+    ("B", 8, 16, 7.5): 0.092678,
+    ("B", 8, 24, 4.0): 0.24098,
+    ("B", 8, 24, 4.5): 0.231429,
+    ("B", 8, 24, 5.0): 0.144844,
+    ("B", 8, 24, 5.5): 0.12796,
+    ("B", 8, 24, 6.0): 0.113247,
+    ("B", 8, 24, 6.5): 0.096439,
+    ("B", 8, 24, 7.0): 0.077219,
+    ("B", 8, 24, 7.5): 0.063755,
+    ("B", 8, 32, 4.0): 0.216666,
+    ("B", 8, 32, 4.5): 0.208576,
+    ("B", 8, 32, 5.0): 0.112714,
+    ("B", 8, 32, 5.5): 0.099141,
+    ("B", 8, 32, 6.0): 0.08741,
+    ("B", 8, 32, 6.5): 0.074116,
+    ("B", 8, 32, 7.0): 0.059054,
+    ("B", 8, 32, 7.5): 0.048591,
+    ("B", 8, 64, 4.0): 0.177127,
+    ("B", 8, 64, 4.5): 0.170903,
+    ("B", 8, 64, 5.0): 0.059723,
+    ("B", 8, 64, 5.5): 0.052156,
+    ("B", 8, 64, 6.0): 0.045703,
+    ("B", 8, 64, 6.5): 0.038484,
+    ("B", 8, 64, 7.0): 0.030426,
+    ("B", 8, 64, 7.5): 0.0249,
+    ("B", 16, 48, 8.0): 0.242648,
+    ("B", 16, 48, 9.0): 0.164433,
+    ("B", 16, 48, 10.0): 0.149157,
+    ("B", 16, 48, 11.0): 0.133803,
+    ("B", 16, 48, 12.0): 0.117021,
+    ("B", 16, 48, 13.0): 0.100473,
+    ("B", 16, 48, 14.0): 0.083294,
+    ("B", 16, 48, 15.0): 0.064413,
+    ("C", 4, 12, 2.0): 0.240752,
+    ("C", 4, 12, 2.5): 0.212531,
+    ("C", 4, 12, 3.0): 0.104316,
+    ("C", 4, 12, 3.5): 0.079156,
+    ("C", 8, 24, 4.0): 0.244502,
+    ("C", 8, 24, 5.0): 0.147473,
+    ("C", 8, 24, 5.5): 0.131337,
+    ("C", 8, 24, 6.0): 0.116074,
+    ("C", 8, 24, 7.0): 0.080605,
+    ("C", 8, 24, 7.5): 0.067471,
+    ("D", 4, 12, 2.0): 0.244271,
+    ("D", 4, 12, 2.5): 0.213162,
+    ("D", 4, 12, 3.0): 0.105406,
+    ("D", 4, 12, 3.5): 0.080724,
+    ("D", 8, 24, 4.0): 0.248217,
+    ("D", 8, 24, 5.0): 0.148492,
+    ("D", 8, 24, 5.5): 0.13288,
+    ("D", 8, 24, 6.0): 0.117119,
+    ("D", 8, 24, 7.0): 0.082122,
+    ("D", 8, 24, 7.5): 0.069167,
+}
+
 
 def row(p: int, m: int, costs: CostModel, schedules: list[str], limits: dict[str, float]) -> list[str]:
     cells = []
@@ -104,6 +213,9 @@ def realistic_rows(profile: str, p: int, m: int) -> tuple[str, str]:
     for name, factor in AUTOMATIC:
         limit = None if factor is None else factor * p
         timeline = simulate(build(name, ScheduleSpec(p, m, costs=costs, memory_limit=limit)), costs)
+        if name == "v-auto":
+            measured = REFERENCE_V_AUTO.get((profile[0], p, m, limit))
+            reference = {**reference, **({} if measured is None else {"v-auto": measured})}
         theirs = f" ({reference[name]:.2%})" if name in reference else ""
         span.append(f"{timeline.bubble_rate:.2%}{theirs}")
         full.append(f"{timeline.bubble_rate_makespan:.2%}")
@@ -134,6 +246,39 @@ def realistic_section(quick: bool) -> list[str]:
     return lines
 
 
+def v_auto_section() -> list[str]:
+    """v-auto across memory limits next to the reference's adaptive V scheduler, and the planning time."""
+    lines = [
+        "",
+        "## v-auto against the reference's adaptive V scheduler",
+        "",
+        "Stage-span bubble of `v-auto --memory-limit L` and of the reference implementation's adaptive V "
+        "scheduler at the same L (its orders timed by our simulator; both peak at most at L), and v-auto's "
+        "planning time (CPU seconds, generation only). `worse` flags a row where the reference is better.",
+        "",
+        "| profile | pp | m | L | v-auto | reference | v-auto - reference | planning (s) | worse |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    worse = 0
+    for (profile, p, m, limit), theirs in sorted(REFERENCE_V_AUTO.items()):
+        name = next(key for key in PROFILES if key.startswith(profile))
+        t_f, t_b, t_w, t_comm = PROFILES[name]
+        costs = CostModel(p, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_f=1, mem_b=-0.55, mem_w=-0.45)
+        start = time.process_time()
+        schedule = get("v-auto").generate(ScheduleSpec(p, m, costs=costs, memory_limit=limit))
+        seconds = time.process_time() - start
+        ours = simulate(schedule, costs).bubble_rate
+        flag = "WORSE" if ours > theirs + 1e-6 else ""
+        worse += bool(flag)
+        lines.append(
+            f"| {profile} | {p} | {m} | {limit:g} | {ours:.2%} | {theirs:.2%} | {100 * (ours - theirs):+.2f} | "
+            f"{seconds:.2f} | {flag} |"
+        )
+        print(lines[-1], flush=True)
+    lines += ["", f"Rows where the reference is better: {worse} of {len(REFERENCE_V_AUTO)}."]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", help="also write the tables to this Markdown file")
@@ -155,6 +300,7 @@ def main() -> None:
             lines.append(f"| {p} | {m} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     lines += realistic_section(args.quick)
+    lines += v_auto_section()
     table = "\n".join(lines)
     print()
     print(table)

@@ -32,10 +32,10 @@ from .v_squeeze import squeezed_orders
 
 EPS = 1e-9
 SMALL_PASSES = 160_000  # settings whose every block screens within this many passes screen them all
-TOP_PASSES = 130_000  # otherwise: passes screened in the highest level that fits (one block at least),
-SCREEN_PASSES = 50_000  # and in all levels together, from that one down (large settings: in all of them)
+WINDOW = 1.0  # otherwise: the levels up to this many stages of memory below the highest that fits,
+SCREEN_PASSES = 200_000  # from the highest down, within this many passes screened (one block at least)
+LARGE_SCREEN_PASSES = 50_000  # where all microbatches are planned by stretching fewer
 FINALISTS = 3  # blocks per peak planned for all microbatches (distinct screening times)
-POLISHED = 2  # peaks whose best order is polished, the highest first (every peak on small settings)
 
 
 def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> list[Result]:
@@ -46,20 +46,21 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
     planned_m = fewer_microbatches(m, v_shape(p))  # large settings: plan fewer, then extend (extend.py)
     per_block = 12 * p * p  # passes a screening reorder handles (it repeats 2pp microbatches at least)
     small = per_block * sum(len(blocks) for _, blocks in levels) <= SMALL_PASSES
-    budget = SCREEN_PASSES
+    budget = SCREEN_PASSES if planned_m == m else LARGE_SCREEN_PASSES
     found: list[Result] = []
-    for _, blocks in reversed(levels):
+    top = None
+    for edge, blocks in reversed(levels):
         fitting = [block for block, peak in blocks if peak <= fits]
         if not fitting:
             continue
+        top = edge if top is None else top
         if not small:
-            allowed = budget if found or planned_m < m else max(budget, TOP_PASSES)
-            fitting = fitting[: max(int(allowed // per_block), not found)]
-            if not fitting:
+            fitting = fitting[: max(int(budget // per_block), not found)]
+            if not fitting or edge < top - WINDOW * min(costs.mem_f) - EPS:
                 break
             budget -= per_block * len(fitting)
         found += _level(p, planned_m, costs, fitting, sample, fits, squeeze=planned_m == m)
-    found += _polished(p, costs, found, None if small else POLISHED)
+    found += _polished(p, costs, found)
     if planned_m == m:
         return found
     longer = (extended(result.codes, planned_m, 6, m - planned_m) for result in _best_by_peak(found, costs).values())
@@ -110,11 +111,9 @@ def _bucket(peak: float, costs: CostModel) -> int:
     return math.ceil(round(peak / (min(costs.mem_f) / 4), 6))
 
 
-def _polished(p: int, costs: CostModel, found: list[Result], highest: int | None) -> list[Result]:
-    """The best candidate of each peak (in quarter stages; the ``highest`` ones), polished under that peak."""
-    best = _best_by_peak(found, costs)
-    chosen = sorted(best.items())[-highest:] if highest else sorted(best.items())
-    return [polish(result, v_shape(p), costs, result.peak) for _, result in chosen]
+def _polished(p: int, costs: CostModel, found: list[Result]) -> list[Result]:
+    """The best candidate of each peak (in quarter stages), polished under that peak."""
+    return [polish(result, v_shape(p), costs, result.peak) for result in _best_by_peak(found, costs).values()]
 
 
 def _best_by_peak(found: list[Result], costs: CostModel) -> dict[int, Result]:
