@@ -60,10 +60,12 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
                 break
             budget -= per_block * len(fitting)
         found += _level(p, planned_m, costs, fitting, sample, fits, squeeze=planned_m == m)
-    found += _polished(p, costs, found)
+    polished = _polished(p, costs, found)
     if planned_m == m:
-        return found
-    longer = (extended(result.codes, planned_m, 6, m - planned_m) for result in _best_by_peak(found, costs).values())
+        return found + polished
+    # the best of each peak, polished or not (polishing may leave no steady period to stretch)
+    chosen = [*_best_by_peak(found, costs).values(), *polished]
+    longer = (extended(result.codes, planned_m, 6, m - planned_m) for result in chosen)
     return [result for result in (timed_codes(codes, v_shape(p), costs, m) for codes in longer if codes) if result]
 
 
@@ -112,8 +114,9 @@ def _bucket(peak: float, costs: CostModel) -> int:
 
 
 def _polished(p: int, costs: CostModel, found: list[Result]) -> list[Result]:
-    """The best candidate of each peak (in quarter stages), polished under that peak."""
-    return [polish(result, v_shape(p), costs, result.peak) for result in _best_by_peak(found, costs).values()]
+    """The best candidate of each peak (in quarter stages), polished under that peak, where that helped."""
+    best = _best_by_peak(found, costs).values()
+    return [better for result in best if (better := polish(result, v_shape(p), costs, result.peak)) is not result]
 
 
 def _best_by_peak(found: list[Result], costs: CostModel) -> dict[int, Result]:
