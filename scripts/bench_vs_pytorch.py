@@ -123,9 +123,13 @@ def _built(name: str, p: int, m: int, chunks: int | None, costs_label: str, limi
 
 
 def our_schedules(p: int, m: int, costs_label: str, limit: float) -> list[Ours]:
-    """Every schedule of ours that fits ``limit``: as it is, or else planned with it as --memory-limit."""
+    """Every schedule of ours that fits ``limit``: as it is, or else planned with it as --memory-limit.
+
+    Schedules that keep more than one copy of the weights (BitPipe) are left out: their activations
+    may fit, their weights take twice PyTorch's.
+    """
     found = []
-    for name in (n for n in names() if not get(n).composite):
+    for name in (n for n in names() if not get(n).composite and get(n).weight_copies == 1):
         for chunks in OUR_CHUNKS:
             label = name + (f" c{chunks}" if chunks else "")
             unlimited = _timeline(name, p, m, chunks, costs_label, None)
