@@ -26,7 +26,7 @@ from .result import Result
 
 EPS = 1e-9
 BUDGET_PASSES = 400_000  # passes timed in all, over the candidates tried (bounds the time taken)
-MIN_TRIES, MAX_TRIES = 20, 4_000  # fewer tries than MIN_TRIES rarely help: then no polish
+MIN_TRIES, MAX_TRIES = 20, 400  # fewer tries than MIN_TRIES rarely help: then no polish
 
 Timing = tuple[list[float], list[float], list[int]]  # start, end, cause (-1: the rank's previous pass)
 

@@ -86,9 +86,8 @@ def _level(
     screened: dict[int, list[tuple[tuple[float, float, float], int]]] = {}
     filled: dict[Offsets, Result | None] = {}  # the screening reorders, planned again only for other m
     for index, block in enumerate(blocks):
-        filled[block] = _reordered(p, sample, costs, block, fill=True)
-        result = filled[block] or _squeezed(p, sample, costs, block)
-        if result.peak <= fits:
+        filled[block] = result = _reordered(p, sample, costs, block, fill=True)
+        if result is not None and result.peak <= fits:
             screened.setdefault(_bucket(result.peak, costs), []).append((result.score(), index))
     finalists: list[Offsets] = []
     for _, ranked in sorted(screened.items()):
