@@ -7,10 +7,11 @@ screening times are then planned for all microbatches three ways (squeezed, reor
 reordered with its gaps filled). Every order found is kept as a candidate, and the best of
 each peak memory (in quarter stages) is polished (polish.py) without raising that peak.
 
-Screening costs a pass budget. Levels are screened from the highest that fits the limit down
-while the budget lasts: on small settings that is every level, so the candidates do not depend
-on the limit and v-auto does not grow with it; on large ones the highest levels that fit,
-where the best orders come from (measured at pp 8 and 16 on the paper's profiles). Where
+Small settings (up to pp 6) screen every level, so the candidates do not depend on the limit
+and v-auto does not grow with it. Larger ones screen the levels up to one stage of memory below
+the highest that fits, from the top down within a pass budget: the best orders come from there
+(measured at pp 8 and 16 on the paper's profiles), and a slightly larger limit still sees the
+levels a smaller one chose from. Blocks whose reordering breaks are left out. Where
 planning all microbatches is slow (``fewer_microbatches``), the finalists are planned for fewer,
 only reordered (the squeezed orders never won there), and the best of each peak is extended to
 all of them (extend.py).
