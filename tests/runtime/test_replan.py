@@ -125,8 +125,12 @@ def test_zb_1p_replans_around_a_heavy_stage(pool):
     check_losses(results)
     check_agreement(results)
     report, costs = results[0]["report"], results[0]["costs"]
-    assert costs.t_f[heavy] > max(t for stage, t in enumerate(costs.t_f) if stage != heavy), costs
-    assert costs.t_b[heavy] > max(t for stage, t in enumerate(costs.t_b) if stage != heavy), costs
+    # The heavy stage against the other middle stage, which has the same parts and a third of the layers.
+    # Not against the end stages: on this toy model the embedding's or the loss's fixed per-pass cost
+    # (CPU, hidden size 32) may take as long as the extra layers' backward, and CI once measured so.
+    other = 2
+    for name in ("t_f", "t_b", "t_w"):
+        assert getattr(costs, name)[heavy] > getattr(costs, name)[other], (name, costs)
     assert report["replaced"], results[0]["message"]
     assert report["new_bubble"] < report["old_bubble"], results[0]["message"]
     assert results[0]["schedules"][-1] != results[0]["initial"]

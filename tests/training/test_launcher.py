@@ -2,8 +2,8 @@
 
 Every setting (pp=4, pp=2 x dp=2, pp=2 x tp=2) runs the launcher's per-rank entry point
 (``run_rank``) inside one worker pool, so they pay the megatron-core import once; each trains
-1f1b, zb-2p and zb-v for 10 iterations from one seed, then zb-v again stopping at 5 with a
-checkpoint and resuming; with data or tensor parallelism megatron-core's own 1F1B (no schedule
+1f1b, zb-2p and zb-v for ITERATIONS iterations from one seed, then zb-v again stopping halfway with
+a checkpoint and resuming; with data or tensor parallelism megatron-core's own 1F1B (no schedule
 flag) must agree too. The real command, ``megatron-zb train --cpu`` (which spawns its own gloo
 processes), runs once, and must give run_rank's losses bit for bit.
 """
@@ -24,10 +24,11 @@ from megatron_zb.training.arguments import parse
 TOLERANCE = 1e-5
 PP4 = "--pipeline-model-parallel-size 4 --global-batch-size 16"
 SCHEDULES = ("1f1b", "zb-2p", "zb-v")
+ITERATIONS, HALF = 6, 3
 MODEL = (
     "--cpu --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 --mock-data "
-    "--micro-batch-size 2 --train-iters 10 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --min-lr 3e-4 "
-    "--hidden-dropout 0 --attention-dropout 0 --log-interval 5 --seed 7"
+    f"--micro-batch-size 2 --train-iters {ITERATIONS} --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine "
+    f"--min-lr 3e-4 --hidden-dropout 0 --attention-dropout 0 --log-interval {HALF} --seed 7"
 )
 
 
@@ -37,13 +38,13 @@ def relative(a: float, b: float) -> float:
 
 def check_runs(full: dict[str, dict[int, float]], first: dict[int, float], resumed: dict[int, float]) -> None:
     reference = full["1f1b"]
-    assert sorted(reference) == list(range(1, 11))
-    assert reference[10] < reference[1], "training must lower the loss"
+    assert sorted(reference) == list(range(1, ITERATIONS + 1))
+    assert reference[ITERATIONS] < reference[1], "training must lower the loss"
     for name, losses in full.items():
         worst = max(relative(losses[i], reference[i]) for i in reference)
         assert worst <= TOLERANCE, f"{name}: loss differs from 1f1b's by {worst:.2e} relative"
-    assert sorted(first) == [1, 2, 3, 4, 5]
-    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert sorted(first) == list(range(1, HALF + 1))
+    assert sorted(resumed) == list(range(HALF + 1, ITERATIONS + 1))
     assert all(resumed[i] == full["zb-v"][i] for i in resumed), (resumed, full["zb-v"])
 
 
@@ -81,8 +82,8 @@ def test_pp4_schedules_agree_and_resume_exactly(pool: WorkerPool, pp4_zbv: dict[
     full = {name: pool_losses(pool, f"{PP4} --pipeline-schedule {name}") for name in SCHEDULES if name != "zb-v"}
     full["zb-v"] = pp4_zbv
     saved = tmp_path / "checkpoints"
-    first = pool_losses(pool, f"{PP4} --pipeline-schedule zb-v --exit-interval 5 --save {saved}")
-    assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    first = pool_losses(pool, f"{PP4} --pipeline-schedule zb-v --exit-interval {HALF} --save {saved}")
+    assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == str(HALF)
     resumed = pool_losses(pool, f"{PP4} --pipeline-schedule zb-v --load {saved}")
     check_runs(full, first, resumed)
 
@@ -92,14 +93,14 @@ def test_the_real_command_trains_as_run_rank_does(pp4_zbv: dict[int, float], tmp
     metrics, trace = tmp_path / "zb-v.jsonl", tmp_path / "trace.json"
     done = cli(f"{PP4} --pipeline-schedule zb-v --metrics-file {metrics} --trace-file {trace}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "iteration       10/      10" in done.stdout and "measured bubble" in done.stdout
+    assert f"iteration {ITERATIONS:8d}/{ITERATIONS:8d}" in done.stdout and "measured bubble" in done.stdout
     assert losses_of(metrics) == pp4_zbv
     trace = json.loads(trace.read_text())
-    assert trace["otherData"]["iterations"] == [9, 10]  # the traced iteration and the one before
+    assert trace["otherData"]["iterations"] == [ITERATIONS - 1, ITERATIONS]  # the traced iteration and the one before
     forwards = [
         event["tid"]
         for event in trace["traceEvents"]
-        if event.get("ph") == "X" and event["cat"] == "F" and event["args"]["iteration"] == 10
+        if event.get("ph") == "X" and event["cat"] == "F" and event["args"]["iteration"] == ITERATIONS
     ]
     assert sorted(set(forwards)) == [0, 1, 2, 3]  # one track per pipeline rank
     assert all(forwards.count(rank) == 16 for rank in range(4))  # two V chunks x 8 microbatches
@@ -117,7 +118,7 @@ def test_pp2_with_data_or_tensor_parallel(pool: WorkerPool, setting: str, tmp_pa
     full = {name: pool_losses(pool, f"{setting} --pipeline-schedule {name}") for name in SCHEDULES}
     full["megatron-core"] = pool_losses(pool, setting)  # no schedule flag: megatron-core's own 1F1B
     saved = tmp_path / "checkpoints"
-    first = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --exit-interval 5 --save {saved}")
+    first = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --exit-interval {HALF} --save {saved}")
     resumed = pool_losses(pool, f"{setting} --pipeline-schedule zb-v --load {saved}")
     check_runs(full, first, resumed)
 
@@ -139,7 +140,7 @@ def test_flags_replan_and_save_the_costs(pool: WorkerPool, tmp_path: Path) -> No
         "zb-1p": pool_losses(pool, f"{setting} --pipeline-schedule zb-1p {replan}"),
     }
     worst = max(relative(full["zb-1p"][i], full["1f1b"][i]) for i in full["1f1b"])
-    assert sorted(full["zb-1p"]) == list(range(1, 11)) and worst <= TOLERANCE, worst
+    assert sorted(full["zb-1p"]) == list(range(1, ITERATIONS + 1)) and worst <= TOLERANCE, worst
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["iteration"] for row in rows if "replan" in row] == [3], "reported once, at the window's end"
     report = next(row["replan"] for row in rows if "replan" in row)
