@@ -4,9 +4,11 @@ The CPU suite checks the split on CPU only. On CUDA, autograd runs backward func
 device threads and the GEMMs are cuBLAS's, so this script checks there, with megatron-core's
 GPTModel (local layer spec: its own ColumnParallelLinear/RowParallelLinear, no Transformer Engine):
 
-1. exactness: four microbatches, B with W deferred, then the W passes in reverse order, against
-   plain backward; every parameter gradient (fp32 and bf16 models) and every input gradient;
-2. costs: one transformer layer at a GPT size, F, B (W deferred), W and the plain fused backward,
+1. exactness: four microbatches, B with W deferred, then the W passes in B order or reversed,
+   against plain backward; every parameter gradient (fp32 and bf16 models);
+2. the runtime: our executor running zb-h1 at pp=1 with the pass profiler (CUDA-synchronised
+   timing) against megatron-core's ``forward_backward_no_pipelining``: losses and gradients;
+3. costs: one transformer layer at a GPT size, F, B (W deferred), W and the plain fused backward,
    timed with CUDA events: the T_W/T_B ratio the schedules are planned with, and what the split
    adds to the fused backward.
 
@@ -147,6 +149,57 @@ def exactness(dtype: torch.dtype, device: torch.device, reverse: bool) -> dict:
     }
 
 
+def runtime(name: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """Our executor (pp=1, W split) against megatron-core's no-pipelining schedule; the profiler on this device."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_zb.runtime import ForwardBackward
+    from megatron_zb.runtime.profiler import PassProfiler
+    from megatron_zb.testing.toy_gpt import forward_step
+
+    seq, vocab, m = 128, 512, 4
+    model = gpt(256, 2, 4, seq, vocab, dtype, device)
+    generator = torch.Generator().manual_seed(11)
+    data = []
+    for _ in range(m):
+        tokens = torch.randint(0, vocab, (2, seq + 1), generator=generator)
+        mask = (torch.rand(2, seq, generator=generator) > 0.1).float()
+        data.append(
+            {
+                "tokens": tokens[:, :-1].contiguous().to(device),
+                "labels": tokens[:, 1:].contiguous().to(device),
+                "loss_mask": mask.to(device),
+                "position_ids": torch.arange(seq).expand(2, seq).contiguous().to(device),
+            }
+        )
+    common = dict(forward_step_func=forward_step, model=[model], num_microbatches=m, seq_length=seq, micro_batch_size=2)
+    theirs = forward_backward_no_pipelining(data_iterator=iter(data), **common)
+    reference = grads(model)
+    model.zero_grad(set_to_none=True)
+    profiler = PassProfiler(device)
+    profiler.start()
+    ours = ForwardBackward(name, timeout_s=60, profiler=profiler)(data_iterator=[iter(data)], **common)
+    profiler.stop()
+    found = grads(model)
+    model.zero_grad(set_to_none=True)
+    losses = [float(item["lm loss"][0]) for item in ours]
+    reference_losses = [float(item["lm loss"][0]) for item in theirs]
+    passes = sorted({record.pass_.kind.name for record in profiler.records if record.pass_.kind.is_compute})
+    assert set(found) == set(reference), sorted(set(found) ^ set(reference))
+    return {
+        "schedule": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "losses_equal": losses == reference_losses,
+        "grads_bitwise_equal": all(torch.equal(found[key], value) for key, value in reference.items()),
+        "worst_relative": max(
+            float((found[key] - value).abs().max() / value.abs().max().clamp_min(1e-30))
+            for key, value in reference.items()
+        ),
+        "profiled_passes": passes,
+        "profiled_ms": sum(record.end - record.start for record in profiler.records) * 1e3,
+    }
+
+
 def timed(fn, repeats: int, device: torch.device) -> float:
     """Median milliseconds of ``fn`` (which returns nothing) after two warm-ups."""
     samples = []
@@ -280,6 +333,20 @@ def markdown(result: dict) -> str:
         )
     lines += [
         "",
+        "The runtime: our executor running zb-h1 at pp=1 (F, B, W per microbatch, the pass profiler on)",
+        "against megatron-core's `forward_backward_no_pipelining`, same GPTModel and data:",
+        "",
+        "| schedule | dtype | losses equal | gradients bitwise equal | worst relative | passes profiled |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["runtime"]:
+        lines.append(
+            f"| {row['schedule']} | {row['dtype']} | {'yes' if row['losses_equal'] else 'no'} | "
+            f"{'yes' if row['grads_bitwise_equal'] else 'no'} | {row['worst_relative']:.2e} | "
+            f"{', '.join(row['profiled_passes'])} |"
+        )
+    lines += [
+        "",
         "Costs of one transformer layer (CUDA events, median of the timed repeats; B with W deferred):",
         "",
         "| layer | T_F (ms) | T_B (ms) | T_W (ms) | plain B+W (ms) | T_W/T_B | T_B/T_F | split B+W / plain |",
@@ -318,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         "exactness": [exactness(dtype, device, reverse) for dtype in dtypes for reverse in (False, True)],
     }
     print(json.dumps(result["exactness"], indent=1), flush=True)
+    result["runtime"] = [runtime("zb-h1", dtype, device) for dtype in dtypes]
+    print(json.dumps(result["runtime"], indent=1), flush=True)
     sizes = [(128, 4, 64, 1)]  # (hidden, heads, seq, micro batch)
     if device.type == "cuda":
         sizes = [(4096, 32, 1024, 4), (4096, 32, 4096, 1), (8192, 64, 4096, 1)]
