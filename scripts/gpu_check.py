@@ -56,12 +56,10 @@ def init(device: torch.device) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, dtype: torch.dtype, device: torch.device):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_config(hidden: int, layers: int, heads: int, dtype: torch.dtype):
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -72,9 +70,15 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, dtype: torch
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
     )
+
+
+def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, dtype: torch.dtype, device: torch.device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     torch.manual_seed(1234)
     model = GPTModel(
-        config=config,
+        config=transformer_config(hidden, layers, heads, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab,
         max_sequence_length=seq,
@@ -202,43 +206,16 @@ def runtime(name: str, dtype: torch.dtype, device: torch.device) -> dict:
 
 def timed(fn, repeats: int, device: torch.device) -> float:
     """Median milliseconds of ``fn`` (which returns nothing) after two warm-ups."""
-    samples = []
-    for index in range(repeats + 2):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            elapsed = start.elapsed_time(end)
-        else:
-            begin = time.perf_counter()
-            fn()
-            elapsed = (time.perf_counter() - begin) * 1e3
-        if index >= 2:
-            samples.append(elapsed)
-    return statistics.median(samples)
+    return statistics.median([timed_once(fn, device) for _ in range(repeats + 2)][2:])
 
 
 def costs(hidden: int, heads: int, seq: int, micro_batch: int, repeats: int, device: torch.device) -> dict:
     """F, B, W and plain backward of one megatron-core transformer layer (local spec), bf16."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype,
-    )
+    config = transformer_config(hidden, 1, heads, dtype)
     spec = get_gpt_layer_local_spec()
     layer = TransformerLayer(config, spec.submodules, layer_number=1).to(device=device, dtype=dtype)
     x = torch.randn(seq, micro_batch, hidden, dtype=dtype, device=device, requires_grad=True)
