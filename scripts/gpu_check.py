@@ -11,9 +11,13 @@ GPTModel (local layer spec: its own ColumnParallelLinear/RowParallelLinear, no T
 3. costs: one transformer layer at a GPT size, F, B (W deferred), W and the plain fused backward,
    timed with CUDA events: the T_W/T_B ratio the schedules are planned with, and what the split
    adds to the fused backward.
+4. the Llama-3 8B layer (GQA 32:8, SwiGLU, RMSNorm, no linear biases, RoPE, seq 4096): exactness
+   (W in B order, fp32 and bf16) and costs (bf16), with megatron-core's local spec and, where
+   Transformer Engine is importable, its TE spec (``delay_wgrad_compute``, W by ``backward_dw()``).
 
-Run on one GPU: ``python scripts/gpu_check.py --output docs/gpu_check.md`` (``--device cpu`` runs
-the same checks small, as a dry run).
+Parts 1-3 are ``--only gpt``, part 4 is ``--only llama``. Run on one GPU:
+``python scripts/gpu_check.py --output docs/gpu_check.md`` (``--device cpu`` runs the same checks
+small, as a dry run; ``--output`` with ``--only`` rewrites only that part of the file).
 """
 
 from __future__ import annotations
@@ -25,15 +29,40 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_zb.runtime import linear_split  # noqa: E402
+from megatron_zb.runtime import linear_split, te_wgrad  # noqa: E402
 from megatron_zb.runtime.wgrad import WeightGradStore  # noqa: E402
+
+
+class Llama(NamedTuple):
+    """A Llama-style layer (GQA, SwiGLU, RMSNorm, no linear biases, RoPE) and the sizes it is run at."""
+
+    hidden: int
+    heads: int
+    query_groups: int
+    kv_channels: int
+    ffn: int
+    seq: int
+    micro_batch: int = 1
+    layers: int = 2  # of the block the exactness check runs
+
+
+LLAMA3_8B = Llama(hidden=4096, heads=32, query_groups=8, kv_channels=128, ffn=14336, seq=4096)
+LLAMA_DRY_RUN = Llama(hidden=128, heads=8, query_groups=2, kv_channels=16, ffn=448, seq=64)  # same structure, tiny
+ROPE_BASE = 500_000  # Llama 3's
+LLAMA_HEADING = "## Llama-3 8B layer"
+PARTS = ("gpt", "llama")
+# Seconds, guessed for one H100 from the FLOPs and the CPU-side initialisation (not measured on a GPU
+# yet; the Llama part builds up to 15 Llama layers on the CPU, 1.6 s each on 2 CPU cores); and the dry run.
+ESTIMATE_S = {"cuda": {"start-up": 30, "gpt": 90, "llama": 120}, "cpu": {"start-up": 30, "gpt": 5, "llama": 5}}
 
 
 def init(device: torch.device) -> None:
@@ -56,10 +85,35 @@ def init(device: torch.device) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-def transformer_config(hidden: int, layers: int, heads: int, dtype: torch.dtype):
+def transformer_config(
+    hidden: int,
+    layers: int,
+    heads: int,
+    dtype: torch.dtype,
+    *,
+    llama: Llama | None = None,
+    delay_wgrad: bool = False,
+    wgrad_fusion: bool = False,
+):
+    """A GPT layer's config; with ``llama``, a Llama-style one (its query groups, kv channels and FFN).
+
+    ``delay_wgrad``: Transformer Engine layers built from it leave their weight gradients to
+    ``backward_dw()``. ``wgrad_fusion``: weight gradients accumulate into ``main_grad``.
+    """
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    architecture = {}
+    if llama is not None:
+        architecture = {
+            "num_query_groups": llama.query_groups,
+            "kv_channels": llama.kv_channels,
+            "ffn_hidden_size": llama.ffn,
+            "gated_linear_unit": True,  # with silu: SwiGLU
+            "activation_func": torch.nn.functional.silu,
+            "normalization": "RMSNorm",
+            "add_bias_linear": False,
+        }
+    config = TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -69,23 +123,75 @@ def transformer_config(hidden: int, layers: int, heads: int, dtype: torch.dtype)
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+        gradient_accumulation_fusion=wgrad_fusion,
+        **architecture,
     )
+    # Set after validation: megatron-core accepts delay_wgrad_compute only with MoE all-to-all
+    # overlap; its TE layers pass it on to TE and gate backward_dw() on it.
+    config.delay_wgrad_compute = delay_wgrad
+    return config
 
 
 def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, dtype: torch.dtype, device: torch.device):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     torch.manual_seed(1234)
     model = GPTModel(
         config=transformer_config(hidden, layers, heads, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec("local"),
         vocab_size=vocab,
         max_sequence_length=seq,
         pre_process=True,
         post_process=True,
     )
     return model.to(device=device, dtype=dtype)  # the local spec's norms are built in fp32
+
+
+def layer_spec(spec: str, rms_norm: bool = False):
+    """megatron-core's layer spec: "local" (its own linears and norms) or "te" (Transformer Engine's).
+
+    The TE spec's norms follow ``config.normalization``; the local spec is told.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if spec == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm" if rms_norm else None)
+
+
+def transformer(config, spec: str, dtype: torch.dtype, device: torch.device, *, block: bool = False, like=None):
+    """One layer of ``config`` (with ``block``: all its layers and the final norm), ``like``'s weights if given.
+
+    Under ``config.gradient_accumulation_fusion`` every parameter gets the fp32 ``main_grad``
+    megatron-core's DDP would give it.
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    torch.manual_seed(1234)
+    layer = layer_spec(spec, rms_norm=config.normalization == "RMSNorm")
+    module = TransformerBlock(config, layer) if block else TransformerLayer(config, layer.submodules, layer_number=1)
+    module = module.to(device=device, dtype=dtype)  # the local spec's norms are built in fp32
+    if like is not None:
+        module.load_state_dict(like.state_dict())
+    if config.gradient_accumulation_fusion:
+        for p in module.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    return module
+
+
+def llama(s: Llama, spec: str, dtype: torch.dtype, device: torch.device, *, block: bool, **options):
+    """The Llama layer (with ``block``: ``s.layers`` of them); ``options``: ``transformer_config``'s and ``like``."""
+    like = options.pop("like", None)
+    config = transformer_config(s.hidden, s.layers if block else 1, s.heads, dtype, llama=s, **options)
+    return transformer(config, spec, dtype, device, block=block, like=like)
+
+
+def rotary(s: Llama, device: torch.device) -> torch.Tensor:
+    """RoPE frequencies for ``s.seq`` positions, as GPTModel hands them to its layers."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    return RotaryEmbedding(s.kv_channels, rotary_percent=1.0, rotary_base=ROPE_BASE)(s.seq).to(device)
 
 
 def batches(count: int, seq: int, vocab: int, device: torch.device) -> list[dict]:
@@ -109,7 +215,33 @@ def loss_of(model, batch: dict) -> torch.Tensor:
 
 
 def grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    """The gradients that have arrived: ``.grad``, or a ``main_grad`` something accumulated into."""
+    found = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        main_grad = getattr(p, "main_grad", None)
+        if grad is None and main_grad is not None and bool(main_grad.any()):
+            grad = main_grad
+        if grad is not None:
+            found[name] = grad.detach().float().clone()
+    return found
+
+
+def clear(model) -> None:
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad.zero_()
+
+
+def compare(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[bool, float]:
+    """(bit for bit equal, worst relative difference) over the same names."""
+    assert set(ours) == set(reference), sorted(set(ours) ^ set(reference))
+    bitwise = all(torch.equal(ours[name], ref) for name, ref in reference.items())
+    worst = max(
+        float((ours[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) for name, ref in reference.items()
+    )
+    return bitwise, worst
 
 
 def exactness(dtype: torch.dtype, device: torch.device, reverse: bool) -> dict:
@@ -128,7 +260,7 @@ def exactness(dtype: torch.dtype, device: torch.device, reverse: bool) -> dict:
             value = loss_of(model, batch)
         with store.deferring((0, microbatch)):
             value.backward()
-    deferred = [name for name, p in model.named_parameters() if name in reference and p.grad is None]
+    deferred = set(reference) - set(grads(model))
     queued = store.queued
     order = list(range(len(data)))
     for microbatch in reversed(order) if reverse else order:
@@ -136,11 +268,7 @@ def exactness(dtype: torch.dtype, device: torch.device, reverse: bool) -> dict:
     store.check_empty()
     ours = grads(model)
     model.zero_grad(set_to_none=True)
-    worst = max(
-        float((ours[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) for name, ref in reference.items()
-    )
-    bitwise = all(torch.equal(ours[name], ref) for name, ref in reference.items())
-    assert set(ours) == set(reference), sorted(set(ours) ^ set(reference))
+    bitwise, worst = compare(ours, reference)
     assert deferred, "no weight gradient was deferred: the split did not engage"
     return {
         "dtype": str(dtype).removeprefix("torch."),
@@ -189,18 +317,150 @@ def runtime(name: str, dtype: torch.dtype, device: torch.device) -> dict:
     losses = [float(item["lm loss"][0]) for item in ours]
     reference_losses = [float(item["lm loss"][0]) for item in theirs]
     passes = sorted({record.pass_.kind.name for record in profiler.records if record.pass_.kind.is_compute})
-    assert set(found) == set(reference), sorted(set(found) ^ set(reference))
+    bitwise, worst = compare(found, reference)
     return {
         "schedule": name,
         "dtype": str(dtype).removeprefix("torch."),
         "losses_equal": losses == reference_losses,
-        "grads_bitwise_equal": all(torch.equal(found[key], value) for key, value in reference.items()),
-        "worst_relative": max(
-            float((found[key] - value).abs().max() / value.abs().max().clamp_min(1e-30))
-            for key, value in reference.items()
-        ),
+        "grads_bitwise_equal": bitwise,
+        "worst_relative": worst,
         "profiled_passes": passes,
         "profiled_ms": sum(record.end - record.start for record in profiler.records) * 1e3,
+    }
+
+
+def llama_exactness(s: Llama, spec: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """B with W deferred, then the Ws in B order, against the plain backward of the same weights.
+
+    A block of ``s.layers`` Llama layers, four microbatches; every parameter gradient and the input
+    gradients. TE spec: the split block defers by delay_wgrad_compute, the plain one is a copy built
+    without it, and both accumulate weight gradients into ``main_grad`` as under megatron-core's DDP
+    (without it, TE's ``backward_dw()`` sets ``.grad`` instead of adding to it).
+    """
+    te = spec == "te"
+    split = llama(s, spec, dtype, device, block=True, delay_wgrad=te, wgrad_fusion=te)
+    plain = llama(s, spec, dtype, device, block=True, wgrad_fusion=te, like=split) if te else split
+    rope = rotary(s, device)
+    generator = torch.Generator().manual_seed(7)
+    shape = (s.seq, s.micro_batch, s.hidden)
+    data = []
+    for _ in range(4):
+        x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
+        data.append((x, torch.randn(shape, generator=generator).to(device, dtype)))
+
+    def forward(block, x):
+        out = block(x, attention_mask=None, rotary_pos_emb=rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    def input_grads() -> dict[str, torch.Tensor]:
+        found = {f"input {microbatch}": x.grad.float().clone() for microbatch, (x, _) in enumerate(data)}
+        for x, _ in data:
+            x.grad = None
+        return found
+
+    for x, grad_out in data:
+        forward(plain, x).backward(grad_out)
+    reference = grads(plain)
+    reference_inputs = input_grads()
+    clear(plain)
+    del plain
+
+    store = WeightGradStore()
+    delayed = te_wgrad.delayed_wgrad_layers(split)
+    assert delayed or not te, "no Transformer Engine layer defers its weight gradient (need_backward_dw())"
+    for microbatch, (x, grad_out) in enumerate(data):
+        with store.recording():
+            out = forward(split, x)
+        with store.deferring((0, microbatch), [te_wgrad.BackwardDwJob(delayed)] if delayed else []):
+            out.backward(grad_out)
+    deferred = set(reference) - set(grads(split))
+    queued = store.queued
+    for microbatch in range(len(data)):
+        store.run((0, microbatch))
+    store.check_empty()
+    bitwise, worst = compare(grads(split) | input_grads(), reference | reference_inputs)
+    assert deferred, "no weight gradient was deferred: the split did not engage"
+    return {
+        "spec": spec,
+        "dtype": str(dtype).removeprefix("torch."),
+        "layers": s.layers,
+        "seq": s.seq,
+        "parameters": len(reference),
+        "deferred_until_w": len(deferred),
+        "w_jobs": queued,
+        "bitwise_equal": bitwise,
+        "worst_relative": worst,
+    }
+
+
+def llama_costs(s: Llama, spec: str, repeats: int, device: torch.device) -> dict:
+    """F, B (W deferred), W and plain backward of one Llama layer, bf16 (fp32 on the CPU dry run)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    te = spec == "te"
+    split = llama(s, spec, dtype, device, block=False, delay_wgrad=te)
+    plain = llama(s, spec, dtype, device, block=False, like=split) if te else split
+    timings = layer_costs(plain, split, s.seq, s.micro_batch, rotary(s, device), repeats, device)
+    return {"spec": spec, "dtype": str(dtype).removeprefix("torch."), **timings}
+
+
+def te_unavailable(device: torch.device) -> str | None:
+    """Why the Transformer Engine rows cannot run here; None when they can."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as error:  # ImportError, or a build that does not load with this torch or CUDA
+        return f"Transformer Engine is not importable ({type(error).__name__}: {error})"
+    if device.type != "cuda":
+        return "Transformer Engine runs on CUDA only"
+    from megatron.core.utils import is_te_min_version
+
+    if not is_te_min_version("2.3.0"):
+        return "delay_wgrad_compute needs Transformer Engine 2.3 or later"
+    return None
+
+
+def te_version() -> str | None:
+    try:
+        import transformer_engine
+    except Exception:
+        return None
+    return getattr(transformer_engine, "__version__", "?")
+
+
+def attempt(label: dict, fn, *args) -> dict:
+    """``fn(*args)``'s row, or ``label`` with the error (traceback printed): one failing row keeps the others."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        traceback.print_exc()
+        return {**label, "error": f"{type(error).__name__}: {error}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def llama_part(s: Llama, repeats: int, device: torch.device) -> dict:
+    """The Llama layer with the local spec and, where Transformer Engine can run, the TE spec."""
+    specs, skipped = ["local"], {}
+    reason = te_unavailable(device)
+    if reason is None:
+        specs.append("te")
+    else:
+        skipped["te"] = reason
+        print(f"Llama layer, TE spec: skipped: {reason}", flush=True)
+    exact = [
+        attempt({"spec": spec, "dtype": str(dtype).removeprefix("torch.")}, llama_exactness, s, spec, dtype, device)
+        for spec in specs
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    print(json.dumps(exact, indent=1), flush=True)
+    cost = [attempt({"spec": spec}, llama_costs, s, spec, repeats, device) for spec in specs]
+    print(json.dumps(cost, indent=1), flush=True)
+    return {
+        "shape": s._asdict(),
+        "transformer_engine": te_version(),
+        "skipped": skipped,
+        "exactness": exact,
+        "costs": cost,
     }
 
 
@@ -211,18 +471,28 @@ def timed(fn, repeats: int, device: torch.device) -> float:
 
 def costs(hidden: int, heads: int, seq: int, micro_batch: int, repeats: int, device: torch.device) -> dict:
     """F, B, W and plain backward of one megatron-core transformer layer (local spec), bf16."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = transformer_config(hidden, 1, heads, dtype)
-    spec = get_gpt_layer_local_spec()
-    layer = TransformerLayer(config, spec.submodules, layer_number=1).to(device=device, dtype=dtype)
+    layer = transformer(transformer_config(hidden, 1, heads, dtype), "local", dtype, device)
+    return {
+        "layer": {"hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch, "dtype": str(dtype)},
+        **layer_costs(layer, layer, seq, micro_batch, None, repeats, device),
+    }
+
+
+def layer_costs(plain, split, seq: int, micro_batch: int, rope, repeats: int, device: torch.device) -> dict:
+    """F, B (W deferred), W and the plain backward of one layer, in milliseconds.
+
+    ``split`` is ``plain``, or the same layer built with Transformer Engine's delay_wgrad_compute,
+    whose W is ``backward_dw()`` on its delayed layers (``te_wgrad``), as in the executor.
+    """
+    hidden = plain.config.hidden_size
+    dtype = next(plain.parameters()).dtype
     x = torch.randn(seq, micro_batch, hidden, dtype=dtype, device=device, requires_grad=True)
     grad_out = torch.randn(seq, micro_batch, hidden, dtype=dtype, device=device)
+    delayed = te_wgrad.delayed_wgrad_layers(split)
 
-    def forward():
-        out = layer(x, attention_mask=None)
+    def forward(layer=plain):
+        out = layer(x, attention_mask=None, rotary_pos_emb=rope)
         return out[0] if isinstance(out, tuple) else out
 
     def f_only():
@@ -231,19 +501,20 @@ def costs(hidden: int, heads: int, seq: int, micro_batch: int, repeats: int, dev
 
     def plain_bw():
         forward().backward(grad_out)
-        layer.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
         x.grad = None
 
     store = WeightGradStore()
 
     def split_b_then_w() -> tuple[float, float]:
         with store.recording():
-            out = forward()
+            out = forward(split)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        b = timed_once(lambda: _backward_deferred(store, out, grad_out), device)
+        fifo = [te_wgrad.BackwardDwJob(delayed)] if delayed else []
+        b = timed_once(lambda: _backward_deferred(store, out, grad_out, fifo), device)
         w = timed_once(lambda: store.run((0, 0)), device)
-        layer.zero_grad(set_to_none=True)
+        split.zero_grad(set_to_none=True)
         x.grad = None
         return b, w
 
@@ -254,11 +525,11 @@ def costs(hidden: int, heads: int, seq: int, micro_batch: int, repeats: int, dev
     t_f_no_grad = timed(f_only, repeats, device)
     t_fbw = timed(plain_bw, repeats, device)
     pairs = [split_b_then_w() for _ in range(repeats + 2)][2:]
+    store.check_empty()
     t_b = statistics.median(b for b, _ in pairs)
     t_w = statistics.median(w for _, w in pairs)
     t_bw = t_fbw - t_f
     return {
-        "layer": {"hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch, "dtype": str(dtype)},
         "t_f_ms": t_f,
         "t_f_no_grad_ms": t_f_no_grad,
         "t_b_ms": t_b,
@@ -270,8 +541,8 @@ def costs(hidden: int, heads: int, seq: int, micro_batch: int, repeats: int, dev
     }
 
 
-def _backward_deferred(store: WeightGradStore, out: torch.Tensor, grad_out: torch.Tensor) -> None:
-    with store.deferring((0, 0)):
+def _backward_deferred(store: WeightGradStore, out: torch.Tensor, grad_out: torch.Tensor, fifo=()) -> None:
+    with store.deferring((0, 0), fifo):
         out.backward(grad_out)
 
 
@@ -339,10 +610,90 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def llama_markdown(result: dict) -> str:
+    part = result["llama"]
+    s = Llama(**part["shape"])
+    lines = [
+        LLAMA_HEADING,
+        "",
+        f"Measured with `{result['command']}` on {result['device_name']} (torch {result['torch']}, megatron-core "
+        f"{result['megatron_core']}, Transformer Engine {part['transformer_engine'] or 'not installed'}).",
+        "",
+        f"The layer: hidden {s.hidden}, GQA {s.heads} heads : {s.query_groups} query groups (kv channels "
+        f"{s.kv_channels}), SwiGLU FFN {s.ffn}, RMSNorm, no linear biases, RoPE (base {ROPE_BASE}); seq {s.seq}, "
+        f"micro batch {s.micro_batch}. Local spec: megatron-core's own linears and norms, W queued by our split;",
+        "TE spec: Transformer Engine's layers built with `delay_wgrad_compute`, W by their `backward_dw()`.",
+        "",
+        f"Exactness: a block of {s.layers} such layers (final RMSNorm included), four microbatches; B with the weight",
+        "gradients deferred, then the four W passes in B order, against the plain backward of the same weights (TE",
+        "spec: a copy built without `delay_wgrad_compute`; both accumulate weight gradients into `main_grad`, as",
+        "under megatron-core's DDP). Compared: every parameter gradient and the four input gradients.",
+        "",
+        "| spec | dtype | parameters with gradients | deferred to W | W jobs | bitwise equal | worst relative |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes = [f"- {spec} spec: skipped: {reason}" for spec, reason in part["skipped"].items()]
+    for row in part["exactness"]:
+        if "error" in row:
+            notes.append(f"- {row['spec']} spec, {row['dtype']} exactness: failed: `{row['error']}`")
+            continue
+        lines.append(
+            f"| {row['spec']} | {row['dtype']} | {row['parameters']} | {row['deferred_until_w']} | {row['w_jobs']} | "
+            f"{'yes' if row['bitwise_equal'] else 'no'} | {row['worst_relative']:.2e} |"
+        )
+    lines += [
+        "",
+        "Costs of one such layer (CUDA events, median of the timed repeats; B with W deferred):",
+        "",
+        "| spec | dtype | T_F (ms) | T_B (ms) | T_W (ms) | plain B+W (ms) | T_W/T_B | T_B/T_F | split B+W / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in part["costs"]:
+        if "error" in row:
+            notes.append(f"- {row['spec']} spec costs: failed: `{row['error']}`")
+            continue
+        lines.append(
+            f"| {row['spec']} | {row['dtype']} | {row['t_f_ms']:.3f} | {row['t_b_ms']:.3f} | {row['t_w_ms']:.3f} | "
+            f"{row['t_bw_plain_ms']:.3f} | {row['w_over_b']:.2f} | {row['b_over_f']:.2f} | "
+            f"{row['split_over_plain']:.3f} |"
+        )
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: Path, sections: dict[str, str]) -> None:
+    """Write the parts that ran; keep the other part of an existing file (the Llama section is last)."""
+    old = path.read_text() if path.exists() else ""
+    head, heading, tail = old.partition(LLAMA_HEADING)
+    kept = {"gpt": head.rstrip("\n") + "\n" if head.strip() else "", "llama": heading + tail}
+    path.write_text("\n".join(text for text in (sections.get(part, kept[part]) for part in PARTS) if text))
+
+
+def gpt_part(device: torch.device) -> dict:
+    """Parts 1-3: the GPTModel checks and the GPT-size layer costs."""
+    dtypes = [torch.float32, torch.bfloat16]
+    result = {"exactness": [exactness(dtype, device, reverse) for dtype in dtypes for reverse in (False, True)]}
+    print(json.dumps(result["exactness"], indent=1), flush=True)
+    result["runtime"] = [runtime("zb-h1", dtype, device) for dtype in dtypes]
+    print(json.dumps(result["runtime"], indent=1), flush=True)
+    sizes = [(128, 4, 64, 1)]  # (hidden, heads, seq, micro batch)
+    if device.type == "cuda":
+        sizes = [(4096, 32, 1024, 4), (4096, 32, 4096, 1), (8192, 64, 4096, 1)]
+    result["costs"] = [costs(*size, repeats(device), device) for size in sizes]
+    print(json.dumps(result["costs"], indent=1), flush=True)
+    return result
+
+
+def repeats(device: torch.device) -> int:
+    return 10 if device.type == "cuda" else 3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a small dry run")
-    parser.add_argument("--output", help="write the markdown table here")
+    parser.add_argument("--only", choices=PARTS, help="run one part: gpt (checks 1-3) or llama (the Llama-3 8B layer)")
+    parser.add_argument("--output", help="write the markdown tables here (with --only: that part of the file)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -350,34 +701,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device is visible; use --device cpu for the dry run")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    parts = [args.only] if args.only else list(PARTS)
+    where = "one H100; a guess, not yet measured on a GPU" if device.type == "cuda" else "CPU dry run"
+    estimate = {part: ESTIMATE_S[device.type][part] for part in ["start-up", *parts]}
+    listed = ", ".join(f"{part} ~{seconds} s" for part, seconds in estimate.items())
+    print(f"estimated time ({where}): {listed}; in all ~{sum(estimate.values())} s", flush=True)
     import megatron.core
 
     init(device)
     linear_split.install()
-    dtypes = [torch.float32, torch.bfloat16]
     result = {
+        "command": " ".join(["python scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
         "torch": torch.__version__,
         "megatron_core": getattr(megatron.core, "__version__", "?"),
-        "exactness": [exactness(dtype, device, reverse) for dtype in dtypes for reverse in (False, True)],
+        "elapsed_s": {},
     }
-    print(json.dumps(result["exactness"], indent=1), flush=True)
-    result["runtime"] = [runtime("zb-h1", dtype, device) for dtype in dtypes]
-    print(json.dumps(result["runtime"], indent=1), flush=True)
-    sizes = [(128, 4, 64, 1)]  # (hidden, heads, seq, micro batch)
-    if device.type == "cuda":
-        sizes = [(4096, 32, 1024, 4), (4096, 32, 4096, 1), (8192, 64, 4096, 1)]
-    repeats = 10 if device.type == "cuda" else 3
-    result["costs"] = [costs(*size, repeats, device) for size in sizes]
-    print(json.dumps(result["costs"], indent=1), flush=True)
-    text = markdown(result)
+    sections = {}
+    for part in parts:
+        begin = time.perf_counter()
+        if part == "gpt":
+            result |= gpt_part(device)
+            sections[part] = markdown(result)
+        else:
+            result["llama"] = llama_part(LLAMA3_8B if device.type == "cuda" else LLAMA_DRY_RUN, repeats(device), device)
+            sections[part] = llama_markdown(result)
+        result["elapsed_s"][part] = round(time.perf_counter() - begin, 1)
+        print(f"part {part}: {result['elapsed_s'][part]} s", flush=True)
     if args.output:
-        Path(args.output).write_text(text)
+        write_markdown(Path(args.output), sections)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print(text)
+    print("\n".join(sections[part] for part in parts))
     dist.destroy_process_group()
-    return 0
+    llama_rows = [*result["llama"]["exactness"], *result["llama"]["costs"]] if "llama" in result else []
+    return 1 if any("error" in row for row in llama_rows) else 0
 
 
 if __name__ == "__main__":
