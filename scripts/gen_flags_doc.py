@@ -68,7 +68,8 @@ def table(actions: list[argparse.Action]) -> list[str]:
     lines = ["| flag | argument | default | choices | help |", "|---|---|---|---|---|"]
     for action in actions:
         flags = ", ".join(f"`{option}`" for option in action.option_strings)
-        default = "off" if action.nargs == 0 and action.default is False else _value(action.default)
+        # a switch is off unless given, whatever it stores (--disable-bias-linear stores False)
+        default = "off" if action.nargs == 0 and isinstance(action.default, bool) else _value(action.default)
         if action.required:
             default = "required"
         choices = ", ".join(f"`{choice}`" for choice in action.choices) if action.choices else ""

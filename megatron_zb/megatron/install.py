@@ -45,6 +45,9 @@ def install() -> None:
             module.get_forward_backward_func = get_forward_backward_func
     hook_training_loop(active_settings)  # optimizer post-validation in Megatron-LM's train_step
     placement_hooks.install()
+    from . import norms  # imports torch: only once installing
+
+    norms.install()  # zero-centred gamma and sequence parallelism for megatron-core's torch norms
 
 
 def uninstall() -> None:

@@ -176,8 +176,13 @@ def _accumulate_into_main_grad(main_grad: torch.Tensor, grad_output: torch.Tenso
     main_grad.add_(grad_output.t().matmul(total_input).to(main_grad.dtype))
 
 
+@torch.no_grad()
 def _gather(input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather along the sequence dimension (sequence parallelism)."""
+    """All-gather along the sequence dimension (sequence parallelism).
+
+    Without grad mode: a W job runs with it on, and gloo writes into views of ``output`` that it
+    makes without, which autograd refuses.
+    """
     size = list(input.shape)
     size[0] *= group.size()
     output = torch.empty(size, dtype=input.dtype, device=input.device)
@@ -185,6 +190,7 @@ def _gather(input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return output
 
 
+@torch.no_grad()
 def _reduce_scatter(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = list(grad.shape)
     size[0] //= group.size()

@@ -4,6 +4,7 @@ Block ``b`` of a schedule's placement is built with the seed ``seed + b`` whatev
 builds it, so the chunks a rank runs and an unpipelined chain of all blocks (the
 reference) start from identical weights. Each block holds ``layers / (pp * chunks)``
 transformer layers; block 0 has the embedding, the last block the output layer and loss.
+``llama=True`` builds the Llama family's layers instead of GPT-2's (see ``LLAMA``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,20 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
+
+# Llama-style layers: SwiGLU, RMSNorm, 4 query heads per key/value head with head channels that are not
+# hidden / heads, no biases, q/k normalisation; with RoPE (Llama 3's base and frequency scaling) below.
+LLAMA = dict(
+    gated_linear_unit=True,
+    normalization="RMSNorm",
+    layernorm_epsilon=1e-6,
+    num_query_groups=1,
+    kv_channels=16,
+    ffn_hidden_size=48,
+    add_bias_linear=False,
+    qk_layernorm=True,
+)
+LLAMA_ROPE = dict(position_embedding_type="rope", rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0)
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,7 @@ class ToyGPT:
     dtype: torch.dtype = torch.float32
     heavy_block: int | None = None
     heavy_factor: int = 3
+    llama: bool = False  # LLAMA layers and LLAMA_ROPE positions instead of GPT-2's
 
     def config(self, pp: int, chunks: int, tp: int = 1, **overrides):
         from megatron.core.transformer import TransformerConfig
@@ -47,26 +63,40 @@ class ToyGPT:
             deallocate_pipeline_outputs=True,
             batch_p2p_sync=False,
         )
+        if self.llama:
+            fields.update(LLAMA, activation_func=torch.nn.functional.silu)
         fields.update(overrides)
         return TransformerConfig(**fields)
+
+    @staticmethod
+    def layer_spec(config):
+        """megatron-core's local layer spec with the config's norm and q/k normalisation."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+    @property
+    def positions(self) -> dict:
+        """GPTModel's position-embedding arguments: learned positions, or LLAMA_ROPE."""
+        return dict(LLAMA_ROPE) if self.llama else {}
 
     def block(self, config, block: int, num_blocks: int, chunk: int | None = None):
         """One layer block as a GPTModel (embedding on block 0, output layer and loss on the last)."""
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         if block == self.heavy_block:
             config = replace(config, num_layers=config.num_layers * self.heavy_factor)
         torch.manual_seed(self.seed + block)
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=self.layer_spec(config),
             vocab_size=self.vocab,
             max_sequence_length=self.seq,
             pre_process=block == 0,
             post_process=block == num_blocks - 1,
             share_embeddings_and_output_weights=False,
             vp_stage=chunk if config.virtual_pipeline_model_parallel_size else None,
+            **self.positions,
         )
 
     def chunks(self, config, schedule, rank: int) -> list:

@@ -57,7 +57,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (Megatron-LM names)")
     group.add_argument("--num-layers", type=int, required=True)
     group.add_argument("--hidden-size", type=int, required=True)
-    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x --hidden-size")
+    group.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="default: 4 x --hidden-size (see --swiglu for its default)"
+    )
     group.add_argument("--num-attention-heads", type=int, required=True)
     group.add_argument("--seq-length", type=int, required=True)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
@@ -70,7 +72,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    group.add_argument(
+        "--position-embedding-type", choices=("learned_absolute", "rope", "none"), default="learned_absolute"
+    )
+    _architecture_args(group)
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--hidden-dropout", type=float, default=0.1)
     group.add_argument("--attention-dropout", type=float, default=0.1)
@@ -86,6 +91,38 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hysteresis", type=int, default=2, help="fp16: inf/nan steps tolerated before the scale halves"
     )
+
+
+def _architecture_args(group) -> None:
+    """The Llama-family switches, under Megatron-LM's names, destinations, types and defaults."""
+    group.add_argument(
+        "--swiglu",
+        action="store_true",
+        help="gated linear units with SiLU in the MLP; --ffn-hidden-size then defaults to Megatron-LM's "
+        "int(8 x hidden / 3 / 64) x 64",
+    )
+    group.add_argument("--normalization", type=str, choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    group.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    group.add_argument(
+        "--apply-layernorm-1p",
+        dest="layernorm_zero_centered_gamma",
+        action="store_true",
+        help="norm weights centred on 0 (GPUs: LayerNorm with NVIDIA apex only; --cpu: LayerNorm and RMSNorm)",
+    )
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument(
+        "--num-query-groups", type=int, default=1, help="with --group-query-attention: the key/value heads"
+    )
+    group.add_argument("--kv-channels", type=int, default=None, help="channels per head; default: hidden / heads")
+    group.add_argument(
+        "--disable-bias-linear", dest="add_bias_linear", action="store_false", help="no biases in any linear layer"
+    )
+    group.add_argument("--add-qkv-bias", action="store_true", help="with --disable-bias-linear: biases on QKV only")
+    group.add_argument("--qk-layernorm", action="store_true", help="--normalization on each head's queries and keys")
+    group.add_argument("--rotary-percent", type=float, default=1.0, help="rope: the fraction of head channels rotated")
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--use-rope-scaling", action="store_true", help="rope: Llama 3.x's frequency scaling")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0)
 
 
 def _parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -216,13 +253,14 @@ def derive_and_check(args: argparse.Namespace) -> list[str]:
         )
     args.world_size = world
     args.data_parallel_size = world // model_parallel
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.ffn_hidden_size = args.ffn_hidden_size or checks.default_ffn_hidden_size(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.data_parallel_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _check_data(args)
     _check_model(args)
     checks.check_derived(args)
+    checks.check_architecture(args)
     checks.refuse_cpu_flags(args)
     args.tokenizer_vocab_size = tokenizer_vocab(args)
     args.padded_vocab_size = padded_vocab(args.tokenizer_vocab_size, args.make_vocab_size_divisible_by, args)
@@ -350,11 +388,6 @@ def _check_model(args: argparse.Namespace) -> None:
         )
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.sequence_parallel and args.cpu:
-        raise ValueError(
-            "--sequence-parallel does not run on --cpu: megatron-core's local layer spec needs NVIDIA apex's "
-            "LayerNorm for it; drop --sequence-parallel or run on GPUs"
-        )
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIRECTORY")
     if args.trace_iteration is not None and not args.trace_file:

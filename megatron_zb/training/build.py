@@ -18,7 +18,8 @@ import torch
 TRANSFORMER_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "sequence_parallel", "hidden_dropout", "attention_dropout",
-    "init_method_std", "fp16", "bf16",
+    "init_method_std", "fp16", "bf16", "kv_channels", "normalization", "layernorm_epsilon",
+    "layernorm_zero_centered_gamma", "add_bias_linear", "qk_layernorm",
 )  # fmt: skip
 OPTIMIZER_FIELDS = (
     "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "fp16",
@@ -80,6 +81,7 @@ def transformer_config(args: argparse.Namespace, gloo: bool):
     chunks = sum(placement.chunks for placement in args.placements)
     config = TransformerConfig(
         **_same_names(args, TRANSFORMER_FIELDS),
+        **_derived_fields(args),
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
         pipeline_model_parallel_layout=_layout(args),
         params_dtype=dtype,
@@ -90,6 +92,42 @@ def transformer_config(args: argparse.Namespace, gloo: bool):
         gradient_accumulation_fusion=False,
     )
     return config
+
+
+def _derived_fields(args: argparse.Namespace) -> dict:
+    """The fields Megatron-LM's core_transformer_config_from_args (and validate_args) derive from the model flags.
+
+    Bias-activation fusion stays off, as it is for GELU here: the launcher has no fusion flags,
+    and the unfused SwiGLU is the one every schedule and the CPU tests run.
+    """
+    fields = {
+        "num_query_groups": args.num_query_groups if args.group_query_attention else None,
+        "add_qkv_bias": args.add_qkv_bias or args.add_bias_linear,  # validate_args keeps the two in sync
+    }
+    if args.swiglu:
+        fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    return fields
+
+
+def layer_spec(args: argparse.Namespace):
+    """megatron-core's local layer spec with the flags' norm and q/k normalisation, as Megatron-LM's gpt_builders."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+
+
+def rotary_settings(args: argparse.Namespace) -> dict:
+    """GPTModel's RoPE arguments (it ignores them for other position embeddings).
+
+    Megatron-LM's pretrain_gpt does not pass ``rope_scaling_factor`` on (0.16 to 0.19: the
+    factor stays 8 whatever the flag says); here the flag is applied.
+    """
+    return {
+        "rotary_percent": args.rotary_percent,
+        "rotary_base": args.rotary_base,
+        "rope_scaling": args.use_rope_scaling,
+        "rope_scaling_factor": args.rope_scaling_factor,
+    }
 
 
 def _layout(args: argparse.Namespace):
@@ -124,6 +162,8 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        layer_spec=layer_spec(args),
+        **rotary_settings(args),
     )
     placement_independent_init(chunks, config, args.seed)
     chunks = [chunk.to(device) for chunk in chunks]

@@ -55,7 +55,8 @@ COUNTS = (
     "make_vocab_size_divisible_by", "cpu_threads", "hysteresis",
     "ffn_hidden_size", "max_position_embeddings", "vocab_size", "global_batch_size",
     "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "lr_decay_iters",
-    "save_interval", "exit_interval", "cpu_procs", "trace_iteration",
+    "save_interval", "exit_interval", "cpu_procs", "trace_iteration", "kv_channels", "num_query_groups",
+    "rotary_base",
 )  # fmt: skip
 # Real-valued flags: NaN and infinity are refused everywhere.
 NUMBERS = {
@@ -74,6 +75,9 @@ NUMBERS = {
     "min_loss_scale": POSITIVE,
     "loss_scale_window": Range(1),
     "distributed_timeout_minutes": POSITIVE,  # a float: tests use seconds
+    "layernorm_epsilon": NON_NEGATIVE,
+    "rotary_percent": Range(0, 1, low_open=True),
+    "rope_scaling_factor": POSITIVE,
 }
 WHY = {
     "micro_batch_size": "samples per microbatch",
@@ -89,11 +93,22 @@ WHY = {
     "attention_dropout": "0 turns dropout off",
     "clip_grad": "0 turns clipping off",
     "loss_scale": "leave it out for the dynamic scale",
+    "kv_channels": "channels per attention head",
+    "num_query_groups": "key/value heads",
+    "rotary_base": "RoPE's wavelength base; Llama 3 uses 500000",
+    "rotary_percent": "the fraction of each head's channels RoPE rotates",
 }
+# Megatron-LM's options whose destination is not their own name.
+OPTIONS = {
+    "layernorm_epsilon": "--norm-epsilon",
+    "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
+    "add_bias_linear": "--disable-bias-linear",
+}
+ROPE_ONLY = ("rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 
 
 def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return OPTIONS.get(name, "--" + name.replace("_", "-"))
 
 
 def _why(name: str) -> str:
@@ -190,12 +205,26 @@ def check_zero3(args: argparse.Namespace) -> None:
             )
 
 
+def default_ffn_hidden_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's default: 4 x hidden, or with --swiglu two thirds of it (two fc1 halves) in multiples of 64."""
+    if not args.swiglu:
+        return 4 * args.hidden_size
+    size = int(4 * args.hidden_size * 2 / 3 / 64) * 64
+    if size < 1:
+        raise ValueError(
+            f"--swiglu with --hidden-size {args.hidden_size}: Megatron-LM's default --ffn-hidden-size, "
+            "int(8 x hidden / 3 / 64) x 64, is 0 below a hidden size of 24; give --ffn-hidden-size"
+        )
+    return size
+
+
 def check_derived(args: argparse.Namespace) -> None:
     """The relations between flags, once defaults are filled in and the data-parallel size is known."""
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(
             f"--hidden-size {args.hidden_size} does not divide by --num-attention-heads {args.num_attention_heads} "
-            f"(Megatron-LM's rule: every head gets hidden/heads channels); use a multiple of {args.num_attention_heads}"
+            f"(Megatron-LM's rule: without --kv-channels every head gets hidden/heads channels); use a multiple of "
+            f"{args.num_attention_heads} or give --kv-channels"
         )
     if args.max_position_embeddings < args.seq_length:
         raise ValueError(
@@ -222,6 +251,49 @@ def check_derived(args: argparse.Namespace) -> None:
             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step} (the samples "
             f"left over would be dropped); use a multiple such as {nearest}"
+        )
+
+
+def check_architecture(args: argparse.Namespace) -> None:
+    """Query groups and RoPE as megatron-core's local layer spec builds them (it asserts deep in each rank).
+
+    Zero-centred norms and sequence parallelism need no check: megatron_zb.install() lets megatron-core's
+    torch norms take both (``megatron/norms.py``).
+    """
+    _check_query_groups(args)
+    _check_rotary(args)
+
+
+def _check_query_groups(args: argparse.Namespace) -> None:
+    """Each query group shares one key/value head; each tensor-parallel rank holds whole groups."""
+    if not args.group_query_attention:
+        return
+    heads, groups, tp = args.num_attention_heads, args.num_query_groups, args.tensor_model_parallel_size
+    if heads % groups:
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise ValueError(
+            f"--num-attention-heads {heads} does not divide by --num-query-groups {groups} (every key/value head "
+            f"serves the same number of query heads); use one of {divisors}"
+        )
+    if groups % tp:
+        raise ValueError(
+            f"--num-query-groups {groups} does not divide by --tensor-model-parallel-size {tp}: each tensor-parallel "
+            f"rank holds whole key/value groups here (megatron-core's replication of fewer groups than ranks is not "
+            f"verified); use a multiple of {tp} query groups or a tensor-parallel size that divides {groups}"
+        )
+
+
+def _check_rotary(args: argparse.Namespace) -> None:
+    """RoPE rotates channel pairs: the rotated part of a head must be a positive even count."""
+    if args.position_embedding_type != "rope":
+        return
+    channels = args.kv_channels or args.hidden_size // args.num_attention_heads
+    rotated = int(channels * args.rotary_percent)
+    if rotated < 2 or rotated % 2:
+        raise ValueError(
+            f"--rotary-percent {args.rotary_percent:g} rotates int({channels} x {args.rotary_percent:g}) = {rotated} "
+            f"of each head's {channels} channels; RoPE rotates pairs of channels: choose --rotary-percent (or "
+            "--kv-channels) so that this count is even and at least 2"
         )
 
 
@@ -371,8 +443,30 @@ def unused(args: argparse.Namespace, given: set[str]) -> list[str]:
             for name in ("min_lr", "lr_decay_iters")
             if name in given
         ]
+    notes += _unused_architecture(args, given)
     if "no_zero_bubble_replan" in given and args.zero_bubble is None:
         notes.append("--no-zero-bubble-replan applies to megatron-zb schedules only; it has no effect here")
     if args.exit_interval is not None and args.exit_interval > args.train_iters:
         notes.append(f"--exit-interval {args.exit_interval} is beyond --train-iters {args.train_iters}: no effect")
+    return notes
+
+
+def _unused_architecture(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """Model flags that only matter next to another one (Megatron-LM accepts them alone and ignores them)."""
+    notes = []
+    if args.position_embedding_type != "rope":
+        notes += [
+            f"{flag(name)} applies to --position-embedding-type rope only; it has no effect here"
+            for name in ROPE_ONLY
+            if name in given
+        ]
+    elif "rope_scaling_factor" in given and not args.use_rope_scaling:
+        notes.append("--rope-scaling-factor applies to --use-rope-scaling only; it has no effect here")
+    if "num_query_groups" in given and not args.group_query_attention:
+        notes.append(
+            "--num-query-groups applies to --group-query-attention only (without it every head has its own "
+            "key/value head); it has no effect here"
+        )
+    if args.add_qkv_bias and args.add_bias_linear:
+        notes.append("--add-qkv-bias matters with --disable-bias-linear only (every linear has a bias); no effect here")
     return notes

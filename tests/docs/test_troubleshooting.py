@@ -327,10 +327,6 @@ CASES = [
         lambda _: train("--num-attention-heads 6 --tensor-model-parallel-size 4 --cpu-procs 16"),
     ),
     ("--sequence-parallel needs --tensor-model-parallel-size > 1", lambda _: train("--sequence-parallel")),
-    (
-        "--sequence-parallel does not run on --cpu",
-        lambda _: train("--sequence-parallel --tensor-model-parallel-size 2 --cpu-procs 8"),
-    ),
     ("--save-interval needs --save DIRECTORY", lambda _: train("--save-interval 5")),
     ("--trace-iteration needs --trace-file FILE", lambda _: train("--trace-iteration 3")),
     (

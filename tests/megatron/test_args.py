@@ -160,7 +160,6 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
             ["--zero-bubble-save-costs saves the costs measured for re-planning", "--no-zero-bubble-replan"],
         ),
         ("--enable-zero-bubble --tensor-model-parallel-size 2 --cpu-procs 6", ["6 processes", "multiple of 8"]),
-        ("--enable-zero-bubble --tensor-model-parallel-size 2 --sequence-parallel", ["--sequence-parallel", "apex"]),
         ("--enable-zero-bubble --tensor-model-parallel-size 3 --cpu-procs 12", ["--num-attention-heads 4"]),
         ("--enable-zero-bubble --fp16 --bf16", ["--fp16 and --bf16"]),
         ("--enable-zero-bubble --data-path /data/x", ["--data-path", "--mock-data"]),

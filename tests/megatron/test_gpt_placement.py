@@ -116,6 +116,8 @@ def _build(toy, placement, tp: int, tied: bool, pad: bool, layout: bool = True):
         vocab_size=toy.vocab,
         max_sequence_length=toy.seq,
         share_embeddings_and_output_weights=tied,
+        layer_spec=toy.layer_spec(config),
+        **toy.positions,
     )
     placement_independent_init(chunks, config, SEED)
     return config, chunks
@@ -124,17 +126,17 @@ def _build(toy, placement, tp: int, tied: bool, pad: bool, layout: bool = True):
 def _reference(toy, tp: int, tied: bool):
     """The whole model as one GPTModel (pp=1 config), initialised from the same seed."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_zb.megatron.init import placement_independent_init
 
     config = toy.config(1, 1, tp)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=toy.layer_spec(config),
         vocab_size=toy.vocab,
         max_sequence_length=toy.seq,
         share_embeddings_and_output_weights=tied,
+        **toy.positions,
     )
     placement_independent_init([model], config, SEED)
     return model
@@ -161,7 +163,9 @@ def _compare(chunks: list, reference, slices: dict | None = None) -> tuple[float
     return worst, compared
 
 
-def run_case(name: str, pp: int, tp: int = 1, tied: bool = True, layers: int = 8, pad: bool = False, ddp=None):
+def run_case(
+    name: str, pp: int, tp: int = 1, tied: bool = True, layers: int = 8, pad: bool = False, ddp=None, llama=False
+):
     """One iteration of ``name`` on chunks from build_gpt_chunks, against the one-block reference."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -176,7 +180,7 @@ def run_case(name: str, pp: int, tp: int = 1, tied: bool = True, layers: int = 8
     runner = ForwardBackward(name, timeout_s=60)
     placement = runner.schedule_for(pp, M).placement
     _init_parallel(tp, pp, placement)
-    toy = ToyGPT(layers=layers)
+    toy = ToyGPT(layers=layers, llama=llama)
     config, chunks = _build(toy, placement, tp, tied, pad)
     reference = _reference(toy, tp, tied)
     ref_values = dict(placement_independent_names(reference))
@@ -380,3 +384,15 @@ def test_v_refuses_megatron_default_embedding_group(pool):
         assert "get_embedding_ranks=embedding_ranks(placement)" in message
         pairs = (("[0, 2]", "[0]"), ("[1, 3]", "[1]"))
         assert any(f"group is {group}" in message and f"ranks {ranks}" in message for group, ranks in pairs)
+
+
+def test_llama_layers_init_the_same_model_at_every_tensor_parallel_size(pool):
+    """RMSNorm and q/k norm weights, the GLU fc1 (its gate and up halves sliced per rank), 4:1 grouped q/k/v and the
+    untied output layer: V at tp=2 starts from, and trains like, V at tp=1."""
+    by_tp = {tp: pool.run(run_case, name="zb-v", pp=2, tp=tp, tied=False, llama=True) for tp in (1, 2)}
+    for results in by_tp.values():
+        check(results, pp=2)
+    expected = _by_stage(by_tp[1])[0]["losses"]
+    for result in by_tp[2]:
+        if result["pp_rank"] == 0:
+            assert result["losses"] == pytest.approx(expected, rel=1e-6)

@@ -247,6 +247,67 @@ def test_other_rules_of_megatron_lm_and_ours(launcher, argv: str, message: str) 
     refused(launcher, argv.split(), message)
 
 
+# The Llama-family flags: what megatron-core's local layer spec would assert on deep inside each rank.
+LLAMA_REFUSED = {
+    "heads not a multiple of groups": (
+        "--group-query-attention --num-query-groups 3",
+        "--num-attention-heads 4 does not divide by --num-query-groups 3 (every key/value head serves the same "
+        "number of query heads); use one of 1, 2, 4",
+    ),
+    "groups not a multiple of tp": (
+        "--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2",
+        "--num-query-groups 1 does not divide by --tensor-model-parallel-size 2: each tensor-parallel rank holds whole "
+        "key/value groups",
+    ),
+    "swiglu default ffn 0": (
+        "--swiglu --hidden-size 16",
+        "--swiglu with --hidden-size 16: Megatron-LM's default --ffn-hidden-size, int(8 x hidden / 3 / 64) x 64, is 0",
+    ),
+    "odd rotary channels": (
+        "--position-embedding-type rope --rotary-percent 0.375",
+        "--rotary-percent 0.375 rotates int(8 x 0.375) = 3 of each head's 8 channels",
+    ),
+    "hidden not a multiple of heads": ("--hidden-size 30", "use a multiple of 4 or give --kv-channels"),
+    "rotary percent above 1": ("--rotary-percent 1.5", "--rotary-percent must be a finite number in (0, 1]"),
+    "norm epsilon negative": ("--norm-epsilon -1", "--norm-epsilon must be a finite number >= 0, got -1.0"),
+}
+
+
+@pytest.mark.parametrize("argv, message", LLAMA_REFUSED.values(), ids=LLAMA_REFUSED.keys())
+def test_llama_settings_megatron_core_cannot_build_are_refused(launcher, argv: str, message: str) -> None:
+    refused(launcher, argv.split(), message)
+
+
+def test_llama_flags_reach_the_spawner_with_an_indivisible_hidden_size(monkeypatch, capsys) -> None:
+    """With --kv-channels the hidden size need not divide by the heads (as in Megatron-LM); no warning."""
+    monkeypatch.setattr(pretrain_gpt, "_spawn_cpu", lambda args: 0)
+    llama = "--hidden-size 30 --kv-channels 16 --swiglu --normalization RMSNorm --group-query-attention"
+    llama += " --num-query-groups 2 --disable-bias-linear --add-qkv-bias --position-embedding-type rope"
+    llama += " --use-rope-scaling --rope-scaling-factor 4 --qk-layernorm --untie-embeddings-and-output-weights"
+    llama += " --apply-layernorm-1p"  # megatron_zb's torch norms take zero-centred weights (megatron/norms.py)
+    assert pretrain_gpt.main([*BASE, *llama.split()]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_llama_flags_without_effect_are_warned_about(monkeypatch, capsys) -> None:
+    """Megatron-LM accepts them and ignores them; the launcher says so."""
+    monkeypatch.setattr(pretrain_gpt, "_spawn_cpu", lambda args: 0)
+    argv = "--rotary-base 500000 --use-rope-scaling --num-query-groups 2 --add-qkv-bias".split()
+    assert pretrain_gpt.main([*BASE, *argv]) == 0
+    assert pretrain_gpt.main([*BASE, "--position-embedding-type", "rope", "--rope-scaling-factor", "4"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "megatron-zb train: warning: --rotary-base applies to --position-embedding-type rope only; it has no effect "
+        "here",
+        "megatron-zb train: warning: --use-rope-scaling applies to --position-embedding-type rope only; it has no "
+        "effect here",
+        "megatron-zb train: warning: --num-query-groups applies to --group-query-attention only (without it every "
+        "head has its own key/value head); it has no effect here",
+        "megatron-zb train: warning: --add-qkv-bias matters with --disable-bias-linear only (every linear has a "
+        "bias); no effect here",
+        "megatron-zb train: warning: --rope-scaling-factor applies to --use-rope-scaling only; it has no effect here",
+    ]
+
+
 def test_a_flag_without_effect_is_warned_about(monkeypatch, capsys) -> None:
     monkeypatch.setattr(pretrain_gpt, "_spawn_cpu", lambda args: 0)
     assert pretrain_gpt.main([*BASE, "--optimizer", "sgd", "--adam-beta1", "0.8", "--initial-loss-scale", "1024"]) == 0
@@ -301,6 +362,9 @@ BAD = st.one_of(
             "--distributed-timeout-minutes",
             "--hysteresis",
             "--lr-decay-iters",
+            "--kv-channels",
+            "--num-query-groups",
+            "--rotary-base",
         )
     ),  # fmt: skip
     _as("--global-batch-size", NON_POSITIVE_INT | st.integers(1, 10_000).filter(lambda v: v % 2)),
@@ -323,6 +387,9 @@ BAD = st.one_of(
         for flag in ("--loss-scale", "--initial-loss-scale", "--min-loss-scale")
     ),
     _as("--loss-scale-window", NOT_FINITE | st.floats(max_value=1, exclude_max=True)),
+    _as("--rotary-percent", NOT_FINITE | st.floats(max_value=0) | st.floats(min_value=1, exclude_min=True)),
+    _as("--rope-scaling-factor", NOT_FINITE | st.floats(max_value=0)),
+    _as("--norm-epsilon", NOT_FINITE | st.floats(max_value=0, exclude_max=True)),
     _as("--zero-bubble-p2p-timeout", NOT_FINITE | st.floats(max_value=0), "--pipeline-schedule", "zb-1p"),
     _as("--zero-bubble-memory-limit", NOT_FINITE | st.floats(max_value=0), "--pipeline-schedule", "zb-auto"),
 )

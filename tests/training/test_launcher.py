@@ -5,7 +5,8 @@ Every setting (pp=4, pp=2 x dp=2, pp=2 x tp=2) runs the launcher's per-rank entr
 1f1b, zb-2p and zb-v for ITERATIONS iterations from one seed, then zb-v again stopping halfway with
 a checkpoint and resuming; with data or tensor parallelism megatron-core's own 1F1B (no schedule
 flag) must agree too. The real command, ``megatron-zb train --cpu`` (which spawns its own gloo
-processes), runs once, and must give run_rank's losses bit for bit.
+processes), runs once, and must give run_rank's losses bit for bit. A Llama-style flag set trains
+alike under 1f1b, zb-1p, zb-2p, zb-v and megatron-core's own 1F1B at pp=2 and pp=4.
 """
 
 from __future__ import annotations
@@ -154,3 +155,71 @@ def test_flags_replan_and_save_the_costs(pool: WorkerPool, tmp_path: Path) -> No
     assert report["new_bubble"] == pytest.approx(new if report["replaced"] else old)
     assert megatron_zb(["plan", "--costs-from", str(costs), "-o", str(tmp_path / "plan.txt")]) == 0
     assert "zb-1p" in (tmp_path / "plan.txt").read_text()
+
+
+# Llama's architecture under Megatron-LM's flags: 4 query heads share 1 key/value head of 16 channels (hidden / heads
+# would be 8); --swiglu's default --ffn-hidden-size is Megatron-LM's int(8 x 32 / 3 / 64) x 64 = 64.
+LLAMA = (
+    "--swiglu --normalization RMSNorm --norm-epsilon 1e-6 --group-query-attention --num-query-groups 1 "
+    "--kv-channels 16 --disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope "
+    "--rotary-base 500000 --use-rope-scaling --rope-scaling-factor 4 --qk-layernorm"
+)
+LLAMA_TOLERANCE, LLAMA_ITERATIONS = 1e-6, 4
+LLAMA_SCHEDULES = ("1f1b", "zb-1p", "zb-2p", "zb-v")
+
+
+def test_llama_flags_reach_the_config_the_layer_spec_and_rope() -> None:
+    import torch
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_zb.training.build import layer_spec, rotary_settings, transformer_config
+
+    args = parse((MODEL + f" --pipeline-model-parallel-size 2 --pipeline-schedule zb-v {LLAMA}").split())
+    config = transformer_config(args, gloo=True)
+    silu = torch.nn.functional.silu
+    assert (config.gated_linear_unit, config.activation_func, config.bias_activation_fusion) == (True, silu, False)
+    assert (config.num_query_groups, config.kv_channels, config.ffn_hidden_size) == (1, 16, 64)
+    assert (config.normalization, config.layernorm_epsilon, config.qk_layernorm) == ("RMSNorm", 1e-6, True)
+    assert (config.add_bias_linear, config.add_qkv_bias, config.layernorm_zero_centered_gamma) == (False, False, False)
+    attention = layer_spec(args).submodules.self_attention.submodules
+    assert attention.q_layernorm is not IdentityOp and attention.k_layernorm is not IdentityOp
+    rope = {"rotary_percent": 1.0, "rotary_base": 500000, "rope_scaling": True, "rope_scaling_factor": 4.0}
+    assert rotary_settings(args) == rope
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_llama_flags_train_alike_under_every_schedule(pool: WorkerPool, pp: int) -> None:
+    """zb-1p gives megatron-core's own 1F1B (no schedule flag) bit for bit; zb-2p and zb-v give 1f1b's losses."""
+    setting = f"--pipeline-model-parallel-size {pp} --global-batch-size 16 {LLAMA} --train-iters {LLAMA_ITERATIONS}"
+    runs = {name: pool_losses(pool, f"{setting} --pipeline-schedule {name}") for name in LLAMA_SCHEDULES}
+    runs["megatron-core"] = pool_losses(pool, setting)
+    reference = runs["1f1b"]
+    assert sorted(reference) == list(range(1, LLAMA_ITERATIONS + 1))
+    assert reference[LLAMA_ITERATIONS] < reference[1], "training must lower the loss"
+    assert runs["zb-1p"] == runs["megatron-core"], "zb-1p is not megatron-core's 1F1B bit for bit"
+    for name, losses in runs.items():
+        worst = max(relative(losses[i], reference[i]) for i in reference)
+        assert worst <= LLAMA_TOLERANCE, f"{name}: loss differs from 1f1b's by {worst:.2e} relative"
+
+
+def test_sequence_parallel_with_zero_centred_norms_trains_as_without_it(pool: WorkerPool) -> None:
+    """On CPU, megatron_zb's torch norms take --apply-layernorm-1p and --sequence-parallel (megatron/norms.py).
+
+    zb-v with sequence parallelism equals megatron-core's own 1F1B with it, and both equal the run without it:
+    the norms' gradients are summed over the tensor-parallel group, and the W split gathers the sequence.
+    """
+    layernorm = LLAMA.replace("--normalization RMSNorm ", "").replace("--num-query-groups 1", "--num-query-groups 2")
+    setting = (
+        f"--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --global-batch-size 8 {layernorm} "
+        f"--apply-layernorm-1p --train-iters {LLAMA_ITERATIONS}"
+    )
+    runs = {
+        "zb-v, sequence parallel": pool_losses(pool, f"{setting} --sequence-parallel --pipeline-schedule zb-v"),
+        "megatron-core, sequence parallel": pool_losses(pool, f"{setting} --sequence-parallel"),
+        "zb-v": pool_losses(pool, f"{setting} --pipeline-schedule zb-v"),
+    }
+    reference = runs["zb-v"]
+    assert reference[LLAMA_ITERATIONS] < reference[1], "training must lower the loss"
+    for name, losses in runs.items():
+        worst = max(relative(losses[i], reference[i]) for i in reference)
+        assert worst <= LLAMA_TOLERANCE, f"{name}: loss differs from zb-v's without sequence parallelism by {worst:.2e}"
