@@ -1,7 +1,8 @@
 """The launcher's flags: a subset of Megatron-LM's, with its names and defaults, plus ours.
 
-A user's pretrain_gpt command line should run here unchanged for the flags we share; what we
-do not implement is refused by argparse ("unrecognized arguments") rather than ignored.
+A user's pretrain_gpt command line runs here unchanged for the flags we share; every other flag is
+refused by name, all in one message, before anything starts (``flag_surface``: with Megatron-LM's own
+parser where it can be imported, so that a Megatron-LM flag the launcher lacks is told apart from a typo).
 ``parse(argv)`` also derives what Megatron-LM derives (data-parallel size, FFN size, padded
 vocabulary) and runs every check that needs no process group.
 """
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 from ..megatron.args import add_args, schedule_settings
 from ..schedule.placement import Placement, linear
-from . import checks
+from . import checks, flag_surface
 from .manifest import check_before_spawn
 
 # Megatron-LM's --tokenizer-type values that megatron-core's tokenizers build from local files.
@@ -228,9 +229,14 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse, derive Megatron-LM's computed values, and refuse what cannot run (SystemExit with the reason)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        notes = derive_and_check(args)
+        notes = flag_surface.check(argv, parser)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    args = parser.parse_args(flag_surface.without_no_effect_flags(argv, parser))
+    try:
+        notes += derive_and_check(args)
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses: warn once
