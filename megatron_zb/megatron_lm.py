@@ -31,27 +31,13 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
+from . import megatron_lm_preflight as preflight
 from .megatron import patching
 from .megatron.args import add_args, schedule_settings
 from .megatron.placement_hooks import prepare_args
 from .training.checks import check_megatron_lm_launch, writable_file
 
 _CHECKOUT_MODULES = ("megatron", "pretrain_gpt", "gpt_builders", "model_provider")
-# Flags a CPU run needs, added when the command line does not give them (flag, value or None).
-CPU_DEFAULTS = (
-    ("--distributed-backend", "gloo"),
-    ("--transformer-impl", "local"),
-    ("--no-gradient-accumulation-fusion", None),
-    ("--no-masked-softmax-fusion", None),
-    ("--no-bias-gelu-fusion", None),
-    ("--no-bias-dropout-fusion", None),
-    ("--no-rope-fusion", None),
-    ("--no-persist-layer-norm", None),
-    # torch_dist (Megatron-LM's default) writes from helper processes that need psutil and, without it,
-    # leave the save hanging (core_v0.16.1, only common.pt written); the plain torch format is what the
-    # CPU runs were measured with.
-    ("--ckpt-format", "torch"),
-)
 
 
 class MegatronLMMissing(RuntimeError):
@@ -91,7 +77,17 @@ def run(argv: Sequence[str]) -> int:
     if launch.megatron_lm:
         os.environ["MEGATRON_LM_PATH"] = os.path.abspath(launch.megatron_lm)
     if launch.cpu:
-        return _spawn_cpu(launch, rest)
+        own_providers = uses_own_providers()  # imports the checkout's megatron.training (or the installed one)
+        try:
+            world = _world_size(launch, rest)
+            additions = preflight.check(rest, world, own_providers)
+        except ValueError as error:
+            print(f"megatron-zb train: error: {error}", file=sys.stderr)
+            return 2
+        for setting in additions:
+            value = setting.flag if setting.value is None else f"{setting.flag} {setting.value}"
+            print(f"megatron-zb train: on CPU: {value} ({setting.why})", file=sys.stderr)
+        return _spawn_cpu(launch, [*rest, *preflight.setting_argv(additions)], world)
     pretrain_here(rest, launch.metrics_file)
     return 0
 
@@ -144,6 +140,7 @@ def _config_container(script):
 
 
 def _pretrain_gpt_module():
+    """The checkout's pretrain_gpt.py; with no checkout, the installed ``megatron.training`` and our providers."""
     root = os.environ.get("MEGATRON_LM_PATH")
     if root and root not in sys.path:
         if os.environ.get("MEGATRON_LM_USE_INSTALLED") == "1":
@@ -152,9 +149,23 @@ def _pretrain_gpt_module():
             sys.path.insert(0, root)
     try:
         importlib.import_module("megatron.training")
-        return importlib.import_module("pretrain_gpt")
     except ImportError as error:
         raise _missing(error, root) from None
+    try:
+        return importlib.import_module("pretrain_gpt")
+    except ImportError as error:
+        if root or getattr(error, "name", None) != "pretrain_gpt":
+            raise _missing(error, root) from None
+    from . import megatron_lm_script
+
+    return megatron_lm_script
+
+
+def uses_own_providers() -> bool:
+    """No checkout: the installed megatron-core's ``megatron.training`` runs with ``megatron_lm_script``'s providers."""
+    from . import megatron_lm_script
+
+    return _pretrain_gpt_module() is megatron_lm_script
 
 
 def _missing(error: ImportError, root: str | None) -> MegatronLMMissing:
@@ -208,23 +219,28 @@ def _checked(validate_args):
     def validate(args, *rest, **kwargs):
         found = validate_args(args, *rest, **kwargs)
         try:
-            settings = schedule_settings(found if found is not None else args)
-            if settings is not None and settings.costs_file:
-                writable_file("--zero-bubble-save-costs", settings.costs_file)
-            if settings is not None and len(settings.placements) > 1:
-                raise ValueError(
-                    f"{settings.schedule} runs {len(settings.placements)} pipelines in opposite directions; "
-                    "Megatron-LM's "
-                    "get_model builds one: run it with `megatron-zb train` (megatron-zb's own training loop)"
-                )
-            if settings is not None:
-                prepare_args(found if found is not None else args, settings.placement, settings.schedule)
+            check_zero_bubble(found if found is not None else args)
         except ValueError as error:
             raise SystemExit(f"megatron-zb: {error}") from None
         return found
 
     validate.megatron_zb_checked = True
     return validate
+
+
+def check_zero_bubble(args: argparse.Namespace) -> None:
+    """megatron-zb's checks of Megatron-LM's validated arguments; sets what a foreign placement needs (V)."""
+    settings = schedule_settings(args)
+    if settings is None:
+        return
+    if settings.costs_file:
+        writable_file("--zero-bubble-save-costs", settings.costs_file)
+    if len(settings.placements) > 1:
+        raise ValueError(
+            f"{settings.schedule} runs {len(settings.placements)} pipelines in opposite directions; Megatron-LM's "
+            "get_model builds one: run it with `megatron-zb train` (megatron-zb's own training loop)"
+        )
+    prepare_args(args, settings.placement, settings.schedule)
 
 
 def _write_metrics(training, path: str) -> None:
@@ -270,36 +286,37 @@ def _world_size(launch: argparse.Namespace, argv: Sequence[str]) -> int:
     model_parallel = found.tensor_model_parallel_size * found.pipeline_model_parallel_size
     procs = launch.cpu_procs or model_parallel
     if procs < 1 or procs % model_parallel:
-        raise SystemExit(
-            f"megatron-zb train: --cpu-procs {procs} does not split into tensor x pipeline = {model_parallel} "
-            f"groups; use a multiple of {model_parallel}"
+        raise ValueError(
+            f"--cpu-procs {procs} does not split into tensor x pipeline = {model_parallel} groups; use a multiple "
+            f"of {model_parallel}"
         )
     return procs
 
 
 def cpu_argv(argv: Sequence[str]) -> list[str]:
-    """Megatron-LM's flags with what a CPU run needs added where the command line does not say otherwise."""
-    out = list(argv)
-    given = {arg.split("=", 1)[0] for arg in out if arg.startswith("--")}
-    for flag, value in CPU_DEFAULTS:
-        if flag not in given:
-            out += [flag] if value is None else [flag, value]
-    return out
+    """Megatron-LM's flags with what a CPU run needs added where the command line does not give the flag."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return [*argv, *preflight.setting_argv([s for s in preflight.CPU_SETTINGS if s.flag not in given])]
 
 
-def _spawn_cpu(launch: argparse.Namespace, argv: Sequence[str]) -> int:
+def _spawn_cpu(launch: argparse.Namespace, worker_argv: Sequence[str], world: int) -> int:
+    return spawn_cpu(worker_argv, world, launch.metrics_file, launch.cpu_threads)
+
+
+def spawn_cpu(argv: Sequence[str], processes: int, metrics_file: str | None = None, threads: int = 1) -> int:
+    """Run ``pretrain()`` with ``argv`` on ``processes`` gloo ranks spawned here; 0, or 1 when a rank failed.
+
+    ``argv`` is taken as checked and complete for the CPU (``preflight.check`` and its additions).
+    """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    world = _world_size(launch, argv)
-    _pretrain_gpt_module_path_check()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    worker_argv = cpu_argv(argv)
     try:
         mp.spawn(
             _cpu_worker,
-            args=(world, store.port, launch.cpu_threads, worker_argv, launch.metrics_file, list(sys.path)),
-            nprocs=world,
+            args=(processes, store.port, threads, list(argv), metrics_file, list(sys.path)),
+            nprocs=processes,
             join=True,
         )
     except mp.ProcessRaisedException as error:
@@ -311,11 +328,6 @@ def _spawn_cpu(launch: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _pretrain_gpt_module_path_check() -> None:
-    """Fail here, once, rather than in every spawned process when the checkout or a package is missing."""
-    _pretrain_gpt_module()
-
-
 def _cpu_worker(
     rank: int, world: int, port: int, threads: int, argv: list[str], metrics_file: str | None, path: list[str]
 ) -> None:
@@ -323,8 +335,6 @@ def _cpu_worker(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
-    # Megatron-LM's validate_args asks for it with tensor parallelism below Blackwell (no meaning on CPU).
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
@@ -339,6 +349,7 @@ def _cpu_worker(
     import multiprocessing
 
     multiprocessing.set_start_method("fork", force=True)
+    megatron_lm_cpu.set_environment()
     megatron_lm_cpu.enable()
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

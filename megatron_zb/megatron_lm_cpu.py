@@ -144,14 +144,23 @@ def _megatron_lm() -> None:
         initialize.model_parallel_cuda_manual_seed = seed
     if getattr(initialize, "tensor_parallel", None) is tensor_parallel:
         pass  # initialize calls tensor_parallel.model_parallel_cuda_manual_seed, patched above
-    _no_gpu_architecture()
+    no_gpu_architecture()
     with contextlib.suppress(ImportError):
         from megatron.legacy import fused_kernels
 
         fused_kernels.load = lambda args: None
 
 
-def _no_gpu_architecture() -> None:
+def set_environment() -> None:
+    """What Megatron-LM's validate_args asks of the environment with tensor parallelism below Blackwell.
+
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` orders kernels on a GPU; on CPU it has no meaning, but without it
+    validate_args refuses tensor or context parallelism (architecture 0 here, see ``no_gpu_architecture``).
+    """
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def no_gpu_architecture() -> None:
     """Megatron-LM's ``get_device_arch_version()`` (utils, bound in arguments) answers 0: no GPU here."""
     utils = importlib.import_module("megatron.training.utils")
     original = getattr(utils, "get_device_arch_version", None)

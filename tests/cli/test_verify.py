@@ -1,7 +1,9 @@
-"""``megatron-zb verify`` passes a correct setting and names the first iteration of a wrong gradient.
+"""``megatron-zb verify`` on megatron-zb's own loop: where no Megatron-LM is importable (megatron-core 0.16.1).
 
-The passing case runs the real command (one set of gloo processes for both runs); the failing
-case calls ``verify.main`` with its test-only hook that scales one gradient at iteration 2.
+It passes a correct setting and names the first iteration of a wrong gradient. The passing case runs
+the real command (one set of gloo processes for both runs); the failing case calls ``verify.main`` with
+its test-only hook that scales one gradient at iteration 2. Where Megatron-LM's training package is
+importable verify runs its ``pretrain()`` instead (test_verify_megatron_lm.py, test_verify_scale.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import sys
 import pytest
 
 from megatron_zb import verify
+from megatron_zb.megatron_lm_flags import megatron_lm_parser
+
+pytestmark = pytest.mark.skipif(
+    megatron_lm_parser() is not None, reason="Megatron-LM is importable: verify runs its pretrain() (other modules)"
+)
 
 # A user's pretrain_gpt line (GPU sizes, real data): verify shrinks it and uses mock data.
 USER = (
@@ -50,3 +57,14 @@ def test_refuses_flags_without_a_schedule() -> None:
         verify.main(user.split())
     assert raised.value.code == 2
     assert "megatron-zb verify: error: no megatron-zb schedule in these flags" in err.getvalue()
+
+
+def test_flags_the_launcher_does_not_know_are_all_named() -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as raised:
+        verify.main(["--", *USER.split(), "--attention-backend", "auto", "--tensorboard-dir", "tb", "--bad"])
+    assert raised.value.code == 2
+    message = err.getvalue()
+    listed = "--attention-backend auto, --tensorboard-dir tb, --bad"
+    assert f"3 flags that megatron-zb's launcher does not know: {listed}" in message
+    assert "--megatron-lm PATH" in message and "Traceback" not in message

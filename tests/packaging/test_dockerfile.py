@@ -1,7 +1,7 @@
 """The Dockerfile adds megatron-zb to NVIDIA's PyTorch image without letting pip replace what the image brings.
 
 ``docker build`` cannot run here, so this lints the file the way Docker reads it: one exact NGC
-base tag, megatron-core pinned, neither torch (NVIDIA's own build) nor PyPI's unrelated
+base tag, megatron-core pinned, neither torch (NVIDIA's own build) nor the package index's unrelated
 ``apex`` from pip, the image's pip constraints kept, this package installed from the build
 context, and a .dockerignore that keeps the local CPU virtual environment out. The bad
 Dockerfiles at the end show that every rule fires.
@@ -177,7 +177,7 @@ def pip_problems(found: list[Instruction]) -> list[str]:
             name, version = requirement(spec)
             if name == "apex":
                 problems.append(
-                    f"{where}: pip installs `{spec}`: PyPI's apex is an unrelated package; NVIDIA apex comes with "
+                    f"{where}: pip installs `{spec}`: the package index's apex is an unrelated package; NVIDIA apex comes with "
                     "the NGC image"
                 )
             elif name in IMAGE_PACKAGES:
@@ -300,9 +300,9 @@ BAD = {
     "untagged base": (BASE, "nvcr.io/nvidia/pytorch", "not pinned"),
     "base from a variable": (f"FROM {BASE}", "ARG TAG=25.12\nFROM nvcr.io/nvidia/pytorch:${TAG}-py3", "variable"),
     "another base": (BASE, "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-devel", "NVIDIA's PyTorch image"),
-    "pip install apex": (*before_copy("RUN pip install apex"), "PyPI's apex"),
-    "pip3 install with options": (*before_copy("RUN pip3 install --no-cache-dir -U apex"), "PyPI's apex"),
-    "python -m pip apex": (*before_copy("RUN cd /tmp && python3 -m pip install 'apex==0.9.10dev'"), "PyPI's apex"),
+    "pip install apex": (*before_copy("RUN pip install apex"), "the package index's apex"),
+    "pip3 install with options": (*before_copy("RUN pip3 install --no-cache-dir -U apex"), "the package index's apex"),
+    "python -m pip apex": (*before_copy("RUN cd /tmp && python3 -m pip install 'apex==0.9.10dev'"), "the package index's apex"),
     "unpinned megatron-core": ("megatron-core==0.16.1", "megatron-core", "not pinned with `==`"),
     "ranged megatron-core": ("megatron-core==0.16.1", "'megatron-core>=0.16'", "not pinned with `==`"),
     "wildcard megatron-core": ("megatron-core==0.16.1", "megatron-core==0.16.*", "not pinned with `==`"),

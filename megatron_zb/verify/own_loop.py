@@ -1,12 +1,11 @@
-"""``megatron-zb verify``: check a pretrain_gpt setting on CPU before spending GPU hours on it.
+"""``megatron-zb verify`` where no Megatron-LM is importable: megatron-zb's own training loop.
 
-It takes the user's pretrain_gpt flags, shrinks the model (layers, hidden size, sequence,
-vocabulary; dropout 0, mock data) but keeps the schedule, the pipeline and tensor-parallel
-sizes, the precision and the optimizer flags, and trains the copy for a few iterations twice
-in one set of gloo processes: once with megatron-core's own schedule, once with theirs. Both
-start from the same weights (``placement_independent_init``), so losses, per-iteration grad
-norms and per-parameter gradient checksums must agree; the report gives the largest relative
-differences, the measured bubble of their schedule, and the first iteration that differs.
+It takes the user's pretrain_gpt flags (the launcher's subset), shrinks the model (layers, hidden
+size, sequence, vocabulary; dropout 0, mock data) but keeps the schedule, the pipeline and
+tensor-parallel sizes, the precision and the optimizer flags, and trains the copy for a few
+iterations twice in one set of gloo processes: once with megatron-core's own schedule, once with
+theirs. Both start from the same weights (``placement_independent_init``), so losses,
+per-iteration grad norms and per-parameter gradient checksums must agree.
 """
 
 from __future__ import annotations
@@ -18,61 +17,20 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from .verdict import TOLERANCE, Run, compare, report
+
 PROG = "megatron-zb verify"
-ITERATIONS = 4
-TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Train a scaled-down copy of a pretrain_gpt setting on CPU with megatron-core's schedule and "
-        "with yours; exit 1 when losses or gradients differ. Give your pretrain_gpt flags after these.",
-        add_help=True,
-    )
-    parser.add_argument(
-        "--verify-iters", type=int, default=ITERATIONS, help=f"iterations per run (default {ITERATIONS})"
-    )
-    parser.add_argument(
-        "--verify-tolerance",
-        type=float,
-        default=None,
-        help="largest relative difference accepted (default 1e-5 in fp32, 1e-2 with --bf16/--fp16)",
-    )
-    parser.add_argument(
-        "--verify-data-parallel", type=int, default=1, help="data-parallel copies to run (default 1; processes)"
-    )
-    return parser
-
-
-@dataclass
-class Run:
-    """What one run measured, merged over the ranks."""
-
-    losses: dict[int, float] = field(default_factory=dict)
-    grad_norms: dict[int, float] = field(default_factory=dict)
-    bubbles: list[float] = field(default_factory=list)
-    grads: dict[str, list[float]] = field(default_factory=dict)  # key -> [norm, projection]
-
-
-@dataclass
-class Verdict:
-    iterations: list[dict]
-    max_loss: float
-    max_grad_norm: float
-    max_grad: float | None
-    parameters: int
-    first_difference: int | None
-    reason: str
+NO_SCHEDULE = (
+    "no megatron-zb schedule in these flags (e.g. --pipeline-schedule zb-v): there is nothing to compare with "
+    "megatron-core's own schedule"
+)
 
 
 def scaled_copy(user: argparse.Namespace, verify: argparse.Namespace) -> argparse.Namespace:
     """The user's settings on a small model: what the schedule depends on is kept, the sizes shrink."""
-    from .training.arguments import derive_and_check
+    from ..training.arguments import derive_and_check
 
     tp, pp = user.tensor_model_parallel_size, user.pipeline_model_parallel_size
     args = copy.copy(user)
@@ -121,7 +79,7 @@ def scaled_copy(user: argparse.Namespace, verify: argparse.Namespace) -> argpars
 
 def _chunks(args: argparse.Namespace) -> int:
     """Model chunks per rank of the user's schedule (or of megatron-core's interleaving)."""
-    from .megatron.args import schedule_settings
+    from ..megatron.args import schedule_settings
 
     settings = schedule_settings(args)
     if settings is not None:
@@ -131,8 +89,8 @@ def _chunks(args: argparse.Namespace) -> int:
 
 def reference_of(args: argparse.Namespace) -> argparse.Namespace:
     """The same run with every zero-bubble flag at its default: megatron-core's own schedule."""
-    from .megatron.args import add_args
-    from .training.arguments import derive_and_check
+    from ..megatron.args import add_args
+    from ..training.arguments import derive_and_check
 
     reference = copy.copy(args)
     for action in add_args(argparse.ArgumentParser(add_help=False))._actions:
@@ -142,46 +100,25 @@ def reference_of(args: argparse.Namespace) -> argparse.Namespace:
     return reference
 
 
-def main(argv: Sequence[str] | None = None, inject_wrong_gradient_at: int | None = None) -> int:
-    """Run both copies and print the report; 0 when they agree, 1 on a mismatch, 2 on bad flags.
-
-    ``inject_wrong_gradient_at`` (tests only) scales one gradient of their run at that
-    iteration, before the optimizer step, to show that a wrong gradient is caught.
-    """
-    from .training.arguments import build_parser as train_parser
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    verify, rest = parser.parse_known_args(argv)
-    train = train_parser()
-    train.prog = PROG
-    user = train.parse_args(rest)
-    try:
-        if verify.verify_iters < 2:
-            raise ValueError(f"--verify-iters must be at least 2, got {verify.verify_iters}")
-        if verify.verify_data_parallel < 1:
-            raise ValueError(f"--verify-data-parallel must be at least 1, got {verify.verify_data_parallel}")
-        theirs = scaled_copy(user, verify)
-        if theirs.zero_bubble is None:
-            raise ValueError(
-                "no megatron-zb schedule in these flags (e.g. --pipeline-schedule zb-v): there is nothing to "
-                "compare with megatron-core's own schedule"
-            )
-        reference = reference_of(theirs)
-    except ValueError as error:
-        parser.exit(2, f"{PROG}: error: {error}\n")
+def verify(user: argparse.Namespace, options: argparse.Namespace, inject: int | None = None) -> int:
+    """Run both copies and print the report; 0 when they agree, 1 on a mismatch (ValueError: bad flags)."""
+    theirs = scaled_copy(user, options)
+    if theirs.zero_bubble is None:
+        raise ValueError(NO_SCHEDULE)
+    reference = reference_of(theirs)
     precision = "bf16" if theirs.bf16 else "fp16" if theirs.fp16 else "fp32"
-    tolerance = verify.verify_tolerance if verify.verify_tolerance is not None else TOLERANCE[precision]
+    tolerance = options.verify_tolerance if options.verify_tolerance is not None else TOLERANCE[precision]
     print(_describe(theirs, precision), flush=True)
     with tempfile.TemporaryDirectory(prefix="megatron-zb-verify-") as folder:
-        failed = _spawn(reference, theirs, Path(folder), inject_wrong_gradient_at)
+        failed = _spawn(reference, theirs, Path(folder), inject)
         if failed:
             print(f"{PROG}: a rank failed:\n{failed}", file=sys.stderr)
             return 1
         ours, mine = _merge(Path(folder), "reference"), _merge(Path(folder), "theirs")
     verdict = compare(ours, mine, tolerance)
-    print(report(verdict, mine, theirs.zero_bubble.schedule, tolerance))
-    return 0 if verdict.first_difference is None else 1
+    note = "--use-distributed-optimizer shards the gradients" if theirs.use_distributed_optimizer else None
+    print(report(verdict, ours, mine, theirs.zero_bubble.schedule, tolerance, note))
+    return 0 if verdict.passed else 1
 
 
 def _describe(args: argparse.Namespace, precision: str) -> str:
@@ -222,7 +159,7 @@ def _worker(rank: int, reference, theirs, port: int, path: list[str], folder: st
     import torch
     import torch.distributed as dist
 
-    from . import cpu
+    from .. import cpu
 
     torch.set_num_threads(theirs.cpu_threads)
     cpu.enable()
@@ -242,10 +179,10 @@ def _run(args: argparse.Namespace, inject: int | None) -> dict:
     """Train one copy on this rank; its rows and, at the end, a checksum of every gradient it holds."""
     import torch
 
-    from .megatron.install import configure, install
-    from .process_groups import destroy_model_parallel
-    from .training.build import build, init_parallel
-    from .training.loop import train
+    from ..megatron.install import configure, install
+    from ..process_groups import destroy_model_parallel
+    from ..training.build import build, init_parallel
+    from ..training.loop import train
 
     device = torch.device("cpu")
     install()
@@ -289,7 +226,7 @@ def _gradient_checksums(trainee) -> dict[str, list[float]]:
     import torch
     from megatron.core import parallel_state
 
-    from .megatron.init import placement_independent_names
+    from ..megatron.init import placement_independent_names
 
     if parallel_state.get_data_parallel_rank() != 0:
         return {}
@@ -321,84 +258,3 @@ def _merge(folder: Path, run: str) -> Run:
             merged.bubbles = [row["bubble_rate"] for row in found["rows"] if row["bubble_rate"] is not None]
         merged.grads.update(found["grads"])
     return merged
-
-
-def relative(value: float, reference: float) -> float:
-    if value == reference:
-        return 0.0
-    return abs(value - reference) / max(abs(reference), 1e-30)
-
-
-def compare(reference: Run, theirs: Run, tolerance: float) -> Verdict:
-    """Per-iteration loss and grad-norm differences, then the final per-parameter gradient checksums."""
-    iterations, first, reason = [], None, ""
-    for iteration in sorted(reference.losses.keys() | reference.grad_norms.keys()):
-        loss = _difference(reference.losses.get(iteration), theirs.losses.get(iteration))
-        norm = _difference(reference.grad_norms.get(iteration), theirs.grad_norms.get(iteration))
-        iterations.append({"iteration": iteration, "loss": loss, "grad_norm": norm})
-        if first is None and max(loss, norm) > tolerance:
-            first = iteration
-            what = "loss" if loss > tolerance else "grad norm"
-            reason = f"{what} differs by {max(loss, norm):.2e} relative"
-    worst_grad, worst_key = None, None
-    if reference.grads:
-        worst_grad = 0.0
-        for key, (norm, projection) in reference.grads.items():
-            if key not in theirs.grads:
-                worst_grad, worst_key = float("inf"), key
-                break
-            mine = theirs.grads[key]
-            scale = max(norm, 1e-30)
-            difference = (
-                max(abs(mine[0] - norm), abs(mine[1] - projection)) / scale if mine != [norm, projection] else 0.0
-            )
-            if difference > worst_grad:
-                worst_grad, worst_key = difference, key
-        if first is None and worst_grad > tolerance:
-            first = max(reference.grad_norms or reference.losses)
-            reason = f"the gradient of {worst_key} differs by {worst_grad:.2e} relative"
-    return Verdict(
-        iterations=iterations,
-        max_loss=max((row["loss"] for row in iterations), default=0.0),
-        max_grad_norm=max((row["grad_norm"] for row in iterations), default=0.0),
-        max_grad=worst_grad,
-        parameters=len(reference.grads),
-        first_difference=first,
-        reason=reason,
-    )
-
-
-def _difference(reference: float | None, theirs: float | None) -> float:
-    if reference is None and theirs is None:
-        return 0.0
-    if reference is None or theirs is None:
-        return float("inf")
-    return relative(theirs, reference)
-
-
-def report(verdict: Verdict, theirs: Run, schedule: str, tolerance: float) -> str:
-    lines = [f"{'iteration':>9}  {'loss rel. diff':>14}  {'grad norm rel. diff':>19}"]
-    lines += [f"{row['iteration']:>9}  {row['loss']:>14.2e}  {row['grad_norm']:>19.2e}" for row in verdict.iterations]
-    lines.append(f"max relative loss difference: {verdict.max_loss:.2e}")
-    lines.append(f"max relative grad-norm difference: {verdict.max_grad_norm:.2e}")
-    if verdict.max_grad is None:
-        lines.append("per-parameter gradient checksums: not taken (--use-distributed-optimizer shards the gradients)")
-    else:
-        lines.append(
-            f"max relative gradient difference ({verdict.parameters} parameter checksums, last iteration): "
-            f"{verdict.max_grad:.2e}"
-        )
-    if theirs.bubbles:
-        lines.append(f"measured bubble ({schedule}): {100 * sum(theirs.bubbles) / len(theirs.bubbles):.1f}%")
-    if verdict.first_difference is None:
-        lines.append(f"OK: {schedule} matches megatron-core's schedule within {tolerance:.0e} relative")
-    else:
-        lines.append(
-            f"MISMATCH at iteration {verdict.first_difference}: {verdict.reason} (tolerance {tolerance:.0e}); "
-            f"{schedule} does not train like megatron-core's schedule here"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

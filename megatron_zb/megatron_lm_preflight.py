@@ -1,0 +1,168 @@
+"""What ``megatron-zb train --megatron-lm --cpu`` checks in the launching process, before any rank starts.
+
+Megatron-LM's ``pretrain()`` parses and validates its flags inside every rank, after the processes
+started: a bad flag fails on every rank with a traceback, a minute in. Here the launching process
+reads the line with Megatron-LM's own parser (every pretrain_gpt flag of that version is known),
+refuses in one message every flag it does not know, refuses the GPU-only features a CPU run cannot
+have (naming each and what would work), prints a line for each setting it changes for the CPU
+(``CPU_SETTINGS``, added only where the line does not say otherwise), and then runs Megatron-LM's own
+``validate_args`` and megatron-zb's schedule checks on the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .megatron_lm_flags import Given, given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
+
+
+@dataclass(frozen=True)
+class CpuSetting:
+    flag: str
+    value: str | None  # None: a switch
+    why: str
+
+
+# What a CPU run of megatron-core's local layer spec needs (added where the line does not give the flag).
+CPU_SETTINGS = (
+    CpuSetting("--transformer-impl", "local", "Transformer Engine needs a GPU; megatron-core's local spec runs on CPU"),
+    CpuSetting("--distributed-backend", "gloo", "NCCL needs GPUs; gloo runs the same collectives on CPU"),
+    CpuSetting("--no-gradient-accumulation-fusion", None, "the fused weight-gradient kernel is CUDA's"),
+    CpuSetting("--no-masked-softmax-fusion", None, "the fused softmax kernels are CUDA's"),
+    CpuSetting("--no-bias-gelu-fusion", None, "the fused bias-GeLU is compiled for CUDA"),
+    CpuSetting("--no-bias-swiglu-fusion", None, "the fused bias-SwiGLU is compiled for CUDA"),
+    CpuSetting("--no-bias-dropout-fusion", None, "the fused bias-dropout-add is compiled for CUDA"),
+    CpuSetting("--no-rope-fusion", None, "the fused RoPE kernel is Transformer Engine's"),
+    CpuSetting("--no-persist-layer-norm", None, "the persistent layer-norm kernel is apex's"),
+)  # fmt: skip
+# dest -> (is it on, why a CPU run cannot have it, what works instead)
+GPU_ONLY = {
+    "transformer_impl": (lambda v: v == "transformer_engine", "Transformer Engine needs a GPU",
+                         "--transformer-impl local"),
+    "fp8": (bool, "fp8 needs Transformer Engine on a Hopper or newer GPU", "leave the --fp8-* flags out on CPU"),
+    "fp4": (bool, "fp4 needs Transformer Engine on a Blackwell GPU", "leave the --fp4-* flags out on CPU"),
+    "use_flash_attn": (bool, "flash attention is a CUDA kernel", "leave it out: megatron-core's own attention runs"),
+    "tp_comm_overlap": (bool, "Transformer Engine's userbuffers need GPUs", "leave it out on CPU"),
+    "enable_cuda_graph": (bool, "CUDA graphs need a GPU", "leave it out on CPU"),
+    "cuda_graph_impl": (lambda v: v not in (None, "none"), "CUDA graphs need a GPU", "leave it out on CPU"),
+    "use_te_activation_func": (bool, "Transformer Engine needs a GPU", "leave it out on CPU"),
+    "cross_entropy_fusion_impl": (lambda v: v == "te", "Transformer Engine's fused cross entropy needs a GPU",
+                                  "--cross-entropy-fusion-impl native"),
+    "attention_backend": (lambda v: getattr(v, "name", v) in ("flash", "fused"),
+                          "it selects Transformer Engine's attention kernels, which need a GPU",
+                          "leave it out (auto: megatron-core's local layer spec computes attention itself)"),
+}  # fmt: skip
+
+
+def cpu_additions(flags: Sequence[Given], parser: argparse.ArgumentParser) -> list[CpuSetting]:
+    """The CPU settings the line does not give (by destination), for flags this Megatron-LM has."""
+    given = {flag.dest for flag in flags}
+    out = []
+    for setting in (*CPU_SETTINGS, _checkpoint_format()):
+        action = parser._option_string_actions.get(setting.flag) if setting is not None else None
+        if action is not None and action.dest not in given:
+            out.append(setting)
+    return out
+
+
+def _checkpoint_format() -> CpuSetting | None:
+    """torch_dist (Megatron-LM's default) writes from helper processes that need psutil; without it, torch."""
+    if importlib.util.find_spec("psutil") is not None:
+        return None
+    return CpuSetting(
+        "--ckpt-format",
+        "torch",
+        "Megatron-LM's default torch_dist saves from helper processes that need the psutil package (not installed): "
+        "without it a save hangs; install psutil to keep torch_dist",
+    )
+
+
+def setting_argv(settings: Sequence[CpuSetting]) -> list[str]:
+    return [token for s in settings for token in ([s.flag] if s.value is None else [s.flag, s.value])]
+
+
+def check(argv: Sequence[str], processes: int, own_providers: bool) -> list[CpuSetting]:
+    """Refuse (ValueError) what a CPU launch of ``argv`` cannot run; the CPU settings to add, each with its reason."""
+    from .megatron.args import add_args
+
+    parser = megatron_lm_parser(add_args)
+    if parser is None:
+        raise ValueError("Megatron-LM's megatron.training cannot be imported")
+    flags, stray = given_flags(parser, argv)
+    where = f"Megatron-LM {megatron_lm_version()}'s pretrain_gpt"
+    problem = refuse_unknown(flags, stray, where)
+    if problem:
+        raise ValueError(problem)
+    args = parse_line(parser, argv)
+    refusals = [_gpu_only(dest, flags) for dest in GPU_ONLY if GPU_ONLY[dest][0](getattr(args, dest, None))]
+    refusals = [refusal for refusal in refusals if refusal]
+    if own_providers:
+        from .megatron_lm_script import refused_features
+
+        refusals += [
+            f"{feature}: megatron-zb's GPT providers (no Megatron-LM checkout) do not implement it; give your "
+            "checkout with --megatron-lm PATH"
+            for feature in refused_features(args)
+        ]
+    if refusals:
+        raise ValueError("; ".join(refusals))
+    additions = cpu_additions(flags, parser)
+    validate(parser, [*argv, *setting_argv(additions)], processes)
+    return additions
+
+
+def _gpu_only(dest: str, flags: Sequence[Given]) -> str | None:
+    """The refusal of a GPU-only setting: for a flag the line gives (defaults are replaced by CPU_SETTINGS)."""
+    given = [flag for flag in flags if flag.dest == dest]
+    if not given:
+        return None
+    _, why, instead = GPU_ONLY[dest]
+    return f"{given[0]} cannot run on CPU: {why}; {instead}"
+
+
+def parse_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Megatron-LM's parse of the line; a bad value is a ValueError naming it (not argparse's usage dump)."""
+
+    def error(message: str):
+        raise ValueError(message)
+
+    parser = copy.copy(parser)
+    parser.error = error
+    return parser.parse_args(list(argv))
+
+
+def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: int) -> argparse.Namespace:
+    """Megatron-LM's ``validate_args``, then megatron-zb's schedule checks, as the ranks will run them."""
+    from megatron.training.arguments import validate_args
+
+    from . import megatron_lm_cpu
+    from .megatron_lm import check_zero_bubble
+
+    args = parse_line(parser, argv)
+    args.rank, args.world_size = 0, processes
+    megatron_lm_cpu.no_gpu_architecture()
+    megatron_lm_cpu.set_environment()
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+        except AssertionError as error:
+            raise ValueError(f"Megatron-LM {megatron_lm_version()}'s validate_args refuses it: {error}") from None
+    _refuse_unset_eval_interval(args)
+    check_zero_bubble(args)
+    return args
+
+
+def _refuse_unset_eval_interval(args: argparse.Namespace) -> None:
+    """Megatron-LM 0.19 defaults ``--eval-interval`` to None and then divides by it building the datasets."""
+    if args.eval_interval is None and not getattr(args, "skip_train", False) and not args.full_validation:
+        raise ValueError(
+            f"--eval-interval: Megatron-LM {megatron_lm_version()} leaves it unset by default and then fails building "
+            "the datasets (train_iters // eval_interval); give --eval-interval N (with --eval-iters 0 to skip "
+            "evaluation)"
+        )

@@ -1,0 +1,193 @@
+"""``megatron-zb verify``: your pretrain_gpt command line, scaled down and checked on CPU before GPU hours.
+
+``megatron-zb verify [--megatron-lm PATH] [--verify-*] -- <your exact pretrain_gpt argv>``
+
+Where Megatron-LM's training package is importable (a checkout given with ``--megatron-lm``, or
+the ``megatron.training`` that megatron-core 0.17+ wheels ship), the line is read with Megatron-LM's
+own parser, scaled down flag by flag (``scale``: every change printed with its reason) and trained
+twice through Megatron-LM's own ``pretrain()`` on gloo processes: megatron-core's own schedule, then
+the line's zero-bubble schedule. Losses and grad norms are compared per iteration (``verdict``).
+Without Megatron-LM, megatron-zb's own training loop runs both (``own_loop``), on the flags it knows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .verdict import TOLERANCE, check_tolerance, compare, report
+
+PROG = "megatron-zb verify"
+ITERATIONS = 4
+LOOPS = ("megatron-lm", "launcher")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [--megatron-lm [PATH]] [--verify-* ...] -- <your pretrain_gpt flags>",
+        description="Train a scaled-down copy of your pretrain_gpt command line on CPU with megatron-core's schedule "
+        "and with yours; exit 1 when losses or grad norms differ, 2 when the line cannot be checked.",
+    )
+    parser.add_argument(
+        "--megatron-lm",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="the Megatron-LM checkout whose pretrain() and parser to use (default: the installed megatron.training "
+        "where megatron-core >= 0.17 ships it, else megatron-zb's own loop)",
+    )
+    parser.add_argument(
+        "--verify-loop",
+        choices=LOOPS,
+        default=None,
+        help="whose training loop runs the copies (default: megatron-lm where importable, else launcher)",
+    )
+    parser.add_argument(
+        "--verify-iters", type=int, default=ITERATIONS, help=f"iterations per run (default {ITERATIONS})"
+    )
+    parser.add_argument(
+        "--verify-tolerance",
+        type=float,
+        default=None,
+        help="largest relative difference accepted (default 1e-5 in fp32, 1e-2 with --bf16/--fp16; 0: identical)",
+    )
+    parser.add_argument(
+        "--verify-data-parallel", type=int, default=1, help="data-parallel copies to run (default 1; processes)"
+    )
+    return parser
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """(verify's flags, the user's line after ``--``; None without ``--``)."""
+    argv = list(argv)
+    if "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1 :]
+    return argv, None
+
+
+def main(argv: Sequence[str] | None = None, inject_wrong_gradient_at: int | None = None) -> int:
+    """0 when both runs agree, 1 on a mismatch or a failed run, 2 when the line cannot be checked.
+
+    ``inject_wrong_gradient_at`` (tests only, megatron-zb's own loop) scales one gradient of their
+    run at that iteration, to show that a wrong gradient is caught.
+    """
+    parser = build_parser()
+    mine, user = split_argv(sys.argv[1:] if argv is None else argv)
+    if user is None:
+        options, user = parser.parse_known_args(mine)
+    else:
+        options = parser.parse_args(mine)
+    try:
+        _check_options(options)
+        loop = _loop(options)
+        if loop == "launcher":
+            return _own_loop(options, user, inject_wrong_gradient_at)
+        return _megatron_lm(options, user)
+    except ValueError as error:
+        parser.exit(2, f"{PROG}: error: {error}\n")
+
+
+def _check_options(options: argparse.Namespace) -> None:
+    if options.verify_iters < 2:
+        raise ValueError(f"--verify-iters must be at least 2, got {options.verify_iters}")
+    if options.verify_data_parallel < 1:
+        raise ValueError(f"--verify-data-parallel must be at least 1, got {options.verify_data_parallel}")
+    check_tolerance(options.verify_tolerance)
+    if options.megatron_lm and not os.path.isdir(options.megatron_lm):
+        raise ValueError(f"--megatron-lm {options.megatron_lm}: not a directory (give a Megatron-LM checkout)")
+    if options.megatron_lm is not None and options.verify_loop == "launcher":
+        raise ValueError("--megatron-lm runs Megatron-LM's pretrain(); drop it or --verify-loop launcher")
+
+
+def _loop(options: argparse.Namespace) -> str:
+    """Megatron-LM's loop where it can be imported, megatron-zb's otherwise (or as asked)."""
+    if options.megatron_lm:
+        os.environ["MEGATRON_LM_PATH"] = os.path.abspath(options.megatron_lm)
+        sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
+    if options.verify_loop is not None:
+        return options.verify_loop
+    from ..megatron_lm_flags import megatron_lm_parser
+
+    return "megatron-lm" if megatron_lm_parser() is not None else "launcher"
+
+
+def _own_loop(options: argparse.Namespace, user: list[str], inject: int | None) -> int:
+    from ..training import flag_surface
+    from ..training.arguments import build_parser as train_parser
+    from . import own_loop
+
+    train = train_parser()
+    train.prog = PROG
+    for note in flag_surface.check(user, train):
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    return own_loop.verify(train.parse_args(flag_surface.without_no_effect_flags(user, train)), options, inject)
+
+
+def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
+    from .. import megatron_lm_preflight as preflight
+    from ..megatron.args import add_args, schedule_settings
+    from ..megatron_lm import uses_own_providers
+    from ..megatron_lm_flags import given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
+    from ..megatron_lm_script import refused_features
+    from . import megatron_lm_runs, scale
+
+    parser = megatron_lm_parser(add_args)
+    if parser is None:
+        raise ValueError("--verify-loop megatron-lm needs Megatron-LM's megatron.training (megatron-core >= 0.17, or "
+                         "a checkout with --megatron-lm PATH)")  # fmt: skip
+    version = megatron_lm_version()
+    flags, stray = given_flags(parser, user)
+    problem = refuse_unknown(flags, stray, f"Megatron-LM {version}'s pretrain_gpt")
+    if problem:
+        raise ValueError(problem)
+    args = preflight.parse_line(parser, user)
+    own = uses_own_providers()
+    if own and refused_features(args):
+        raise ValueError(
+            f"{', '.join(refused_features(args))}: megatron-zb's GPT providers (used without a Megatron-LM checkout) "
+            "do not implement this; give your checkout with --megatron-lm PATH"
+        )
+    try:
+        scale.refuse(args)
+        processes = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+        preflight.validate(parser, scale.on_cpu(parser, flags, args), processes)
+    except ValueError as error:
+        raise ValueError(f"your line, before any scaling: {error}") from None
+    with tempfile.TemporaryDirectory(prefix="megatron-zb-verify-") as folder:
+        limits = scale.Limits(options.verify_iters, options.verify_data_parallel, Path(folder))
+        try:
+            line = scale.scale(parser, flags, args, limits, schedule_settings)
+        except scale.Refused as error:
+            raise ValueError(str(error)) from None
+        for name, argv in (("reference", line.reference_argv), (line.schedule, line.argv)):
+            try:
+                preflight.validate(parser, argv, line.processes)
+            except ValueError as error:
+                raise ValueError(f"the scaled copy ({name} run): {error}") from None
+        where = "megatron-zb's GPT providers on the installed megatron.training" if own else "your checkout's scripts"
+        print(
+            f"{PROG}: {line.schedule} against megatron-core's own schedule, through Megatron-LM {version}'s "
+            f"pretrain() ({where}), {line.processes} gloo processes, {options.verify_iters} iterations, "
+            f"{line.precision}; your line, scaled down:",
+            flush=True,
+        )
+        print(line.table(), flush=True)
+        tolerance = options.verify_tolerance if options.verify_tolerance is not None else TOLERANCE[line.precision]
+        try:
+            reference, seconds = megatron_lm_runs.train(line.reference_argv, line.processes, "reference", Path(folder))
+            print(f"megatron-core's own schedule: trained in {seconds:.0f} s", flush=True)
+            theirs, seconds = megatron_lm_runs.train(line.argv, line.processes, "theirs", Path(folder))
+            print(f"{line.schedule}: trained in {seconds:.0f} s", flush=True)
+        except megatron_lm_runs.RunFailed as error:
+            print(f"{PROG}: {error}", file=sys.stderr)
+            return 1
+    verdict = compare(reference, theirs, tolerance)
+    print(report(verdict, reference, theirs, line.schedule, tolerance))
+    return 0 if verdict.passed else 1

@@ -1,0 +1,78 @@
+"""Both runs of a scaled line through Megatron-LM's own ``pretrain()`` on CPU, and what they logged.
+
+Each run spawns its own gloo processes (``pretrain()`` owns a process's global state), their output
+kept in a log file that is shown only when the run fails;
+each logs one metrics line per iteration (loss, grad norm, skipped step), which the verdict compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .verdict import Run
+
+
+class RunFailed(RuntimeError):
+    """A run ended without training: its log's tail says why."""
+
+
+def train(argv: list[str], processes: int, name: str, folder: Path) -> tuple[Run, float]:
+    """Run ``pretrain()`` with ``argv`` (checked) on ``processes`` gloo processes; (what it logged, seconds)."""
+    from ..megatron_lm import spawn_cpu
+
+    metrics, log = folder / f"{name}.jsonl", folder / f"{name}.log"
+    start = time.perf_counter()
+    with _output_to(log):
+        code = spawn_cpu(argv, processes, str(metrics))
+    seconds = time.perf_counter() - start
+    if code != 0 or not metrics.exists():
+        raise RunFailed(f"the {name} run failed:\n{_tail(log)}")
+    return read_metrics(metrics), seconds
+
+
+@contextlib.contextmanager
+def _output_to(log: Path):
+    """This process's and its children's stdout and stderr into ``log`` (file descriptors 1 and 2)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with log.open("w") as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def read_metrics(path: Path) -> Run:
+    run = Run()
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        iteration = row["iteration"]
+        if row.get("loss") is not None:
+            run.losses[iteration] = row["loss"]
+        if row.get("grad_norm") is not None:
+            run.grad_norms[iteration] = row["grad_norm"]
+        run.skipped[iteration] = bool(row.get("skipped", False))
+    return run
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    """The end of a run's log, without Megatron-LM's argument dump and warnings."""
+    text = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if " ..." not in line and "Warning" not in line and "warnings.warn" not in line
+    ]
+    return "\n".join(text[-lines:])

@@ -1,0 +1,492 @@
+"""A user's pretrain_gpt command line, scaled down to what this machine runs, every flag accounted for.
+
+The line is read with Megatron-LM's own parser (``megatron_lm_flags``), then each flag is either
+kept as given, changed with a reason (sizes, parallel sizes, what a CPU cannot run), or dropped
+with a reason (checkpoints it cannot load, logs it must not write into). What the schedule and
+the training math depend on stays: normalization, activation, biases, RoPE, precision, optimizer,
+loss, clipping, the distributed optimizer and its overlaps, the zero-bubble flags. The result is
+two argvs for Megatron-LM's ``pretrain()``: the user's schedule, and megatron-core's own
+(the zero-bubble flags removed), both drawing every weight from the seed and its name so that
+placements compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import megatron_lm_preflight as preflight
+from ..megatron_lm_flags import Given, flag_of
+
+MAX_PROCESSES = 4  # gloo processes: two cores run four with the pool's overhead, not eight
+HEAD_DIM = 8
+SEQUENCE = 32
+MOCK_VOCAB = 100
+FP16_START_SCALE = 2**12
+SAME_INIT = "--zero-bubble-placement-independent-init"
+# dest -> why a CPU run leaves the flag out (GPU-only features; the math around them runs as given)
+GPU_ONLY = {
+    "use_flash_attn": "flash attention is a CUDA kernel; megatron-core's local attention computes the same",
+    "tp_comm_overlap": "Transformer Engine's userbuffer overlap needs GPUs; tensor-parallel results are the same",
+    "fp8": "fp8 needs Transformer Engine on a Hopper or newer GPU; the scaled copy runs in the line's other "
+    "precision (its fp8 GEMMs are not checked here)",
+    "fp8_recipe": "fp8 is off on CPU",
+    "fp8_margin": "fp8 is off on CPU",
+    "fp8_interval": "fp8 is off on CPU",
+    "fp8_amax_history_len": "fp8 is off on CPU",
+    "fp8_amax_compute_algo": "fp8 is off on CPU",
+    "fp8_wgrad": "fp8 is off on CPU",
+    "fp8_param_gather": "fp8 is off on CPU",
+    "fp8_output_proj": "fp8 is off on CPU",
+    "first_last_layers_bf16": "fp8 is off on CPU",
+    "num_layers_at_start_in_bf16": "fp8 is off on CPU",
+    "num_layers_at_end_in_bf16": "fp8 is off on CPU",
+    "fp4": "fp4 needs Transformer Engine on a Blackwell GPU",
+    "fp4_recipe": "fp4 is off on CPU",
+    "fp4_param_gather": "fp4 is off on CPU",
+    "enable_cuda_graph": "CUDA graphs need a GPU",
+    "cuda_graph_impl": "CUDA graphs need a GPU",
+    "external_cuda_graph": "CUDA graphs need a GPU",
+    "cuda_graph_scope": "CUDA graphs need a GPU",
+    "use_te_activation_func": "Transformer Engine's activation needs a GPU; the local spec's computes the same",
+    "use_transformer_engine_op_fuser": "Transformer Engine needs a GPU",
+}
+# dest -> why the scaled copy leaves the flag out
+NOT_USED = {
+    "load": "a checkpoint of the full-size model does not fit the scaled copy; both runs start from the seed",
+    "pretrained_checkpoint": "a checkpoint of the full-size model does not fit the scaled copy",
+    "tensorboard_dir": "verify writes no logs into your folders (the losses it compares are its own)",
+    "wandb_project": "verify sends nothing to Weights & Biases",
+    "wandb_exp_name": "verify sends nothing to Weights & Biases",
+    "wandb_save_dir": "verify sends nothing to Weights & Biases",
+    "wandb_entity": "verify sends nothing to Weights & Biases",
+    "profile": "profiling on CPU says nothing about GPU time",
+    "profile_step_start": "profiling on CPU says nothing about GPU time",
+    "profile_step_end": "profiling on CPU says nothing about GPU time",
+    "use_pytorch_profiler": "profiling on CPU says nothing about GPU time",
+    "profile_ranks": "profiling on CPU says nothing about GPU time",
+    "exit_duration_in_mins": "the scaled copy runs all its iterations",
+    "exit_interval": "the scaled copy runs all its iterations",
+    "exit_signal_handler": "the scaled copy runs all its iterations",
+    "decoder_first_pipeline_num_layers": "the scaled copy holds one layer per pipeline stage",
+    "decoder_last_pipeline_num_layers": "the scaled copy holds one layer per pipeline stage",
+    "pipeline_model_parallel_layout": "the scaled copy holds one layer per pipeline stage",
+    "account_for_embedding_in_pipeline_split": "the scaled copy holds one layer per pipeline stage",
+    "account_for_loss_in_pipeline_split": "the scaled copy holds one layer per pipeline stage",
+}
+# Flags that only set sizes of the full model, replaced by the scaled ones (dest -> flag to name).
+DATA_FILES = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+@dataclass(frozen=True)
+class Change:
+    flag: str
+    given: str
+    scaled: str
+    why: str
+
+
+@dataclass
+class ScaledLine:
+    argv: list[str]
+    reference_argv: list[str]
+    processes: int
+    schedule: str
+    precision: str
+    changes: list[Change] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """Every changed flag with its reason, then the flags kept as given."""
+        rows = [("flag", "your line", "scaled copy", "why")]
+        rows += [(c.flag, c.given, c.scaled, c.why) for c in self.changes]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+                 for row in rows]  # fmt: skip
+        lines.insert(1, "  ".join("-" * width for width in widths) + "  ---")
+        kept = ", ".join(self.kept) if self.kept else "none"
+        lines.append(f"kept as given ({len(self.kept)}): {kept}")
+        return "\n".join(lines)
+
+
+class Refused(ValueError):
+    """A flag verify cannot check, named with what would work."""
+
+
+class Scaler:
+    """Rewrites a parsed command line flag by flag, recording each change and its reason."""
+
+    def __init__(self, parser: argparse.ArgumentParser, flags: Sequence[Given], args: argparse.Namespace):
+        self.parser, self.args = parser, args
+        self.flags: list[Given | None] = list(flags)
+        self.touched: set[int] = set()
+        self.added: list[Given] = []
+        self.changes: list[Change] = []
+
+    # -- reading
+    def given(self, dest: str) -> list[int]:
+        return [i for i, given in enumerate(self.flags) if given is not None and given.dest == dest]
+
+    def has(self, dest: str) -> bool:
+        return bool(self.given(dest))
+
+    def knows(self, option: str) -> bool:
+        return option in self.parser._option_string_actions
+
+    def value(self, dest: str):
+        return getattr(self.args, dest, None)
+
+    # -- writing
+    def set(self, option: str, values: Sequence[str] | None, why: str) -> None:
+        """Give ``option`` these values (None: a switch), replacing what the line gave for its destination."""
+        action = self.parser._option_string_actions.get(option)
+        if action is None:
+            return  # this Megatron-LM has no such flag: nothing to set
+        new = Given(option, tuple(values or ()), action)
+        indices = self.given(action.dest)
+        if indices:
+            old = self.flags[indices[0]]
+            if old.tokens == new.tokens:
+                return  # the line already says it: kept as given
+            self.flags[indices[0]] = new
+            for index in indices[1:]:
+                self.flags[index] = None
+            self.touched.add(indices[0])
+            self.changes.append(Change(old.flag, " ".join(old.values) or "given", " ".join(new.values) or "given", why))
+            return
+        default = getattr(action.default, "name", action.default)
+        shown = "(not given)" if action.nargs == 0 or default is None else f"(default {default})"
+        self.added.append(new)
+        self.changes.append(Change(option, shown, " ".join(new.values) or "given", why))
+
+    def drop(self, dest: str, why: str) -> None:
+        for index in self.given(dest):
+            old = self.flags[index]
+            self.flags[index] = None
+            self.changes.append(Change(old.flag, " ".join(old.values) or "given", "not used", why))
+
+    def result(self) -> tuple[list[Given], list[str]]:
+        kept = [str(given) for index, given in enumerate(self.flags) if given is not None and index not in self.touched]
+        return [given for given in self.flags if given is not None] + self.added, kept
+
+
+@dataclass(frozen=True)
+class Limits:
+    iterations: int
+    data_parallel: int
+    folder: Path  # verify's temporary folder: caches, checkpoints, costs
+
+
+def on_cpu(parser: argparse.ArgumentParser, flags: Sequence[Given], args: argparse.Namespace) -> list[str]:
+    """The line at full size with only what a CPU changes: GPU-only features out, the CPU settings in.
+
+    Megatron-LM's ``validate_args`` on it says whether Megatron-LM takes the line itself, before any
+    change of size could hide or cause a refusal.
+    """
+    scaler = Scaler(parser, flags, args)
+    _cpu(scaler)
+    line, _ = scaler.result()
+    return [token for given in line for token in given.tokens]
+
+
+def scale(
+    parser: argparse.ArgumentParser,
+    flags: Sequence[Given],
+    args: argparse.Namespace,
+    limits: Limits,
+    schedule_of: Callable[[argparse.Namespace], object],
+) -> ScaledLine:
+    """The scaled copy of a parsed line; ``Refused`` names what cannot be checked.
+
+    ``schedule_of`` returns megatron-zb's schedule settings for a namespace (None without one).
+    """
+    refuse(args)
+    scaler = Scaler(parser, flags, args)
+    tp, pp, chunks_of = _parallel(scaler, limits)
+    settings = schedule_of(_probe(args, pp, tp, limits))
+    if settings is None:
+        raise Refused(
+            "no megatron-zb schedule on this line (add e.g. --enable-zero-bubble, --zero-bubble-v-schedule or "
+            "--pipeline-schedule NAME): there is nothing to compare with megatron-core's own schedule"
+        )
+    blocks = chunks_of(settings)
+    _model(scaler, tp, pp, blocks)
+    _batch(scaler, pp, limits)
+    _iterations(scaler, limits)
+    _data(scaler, limits)
+    _checkpoints(scaler, limits)
+    _cpu(scaler)
+    for dest, why in NOT_USED.items():
+        scaler.drop(dest, why)
+    _zero_bubble(scaler, pp, limits)
+    line, kept = scaler.result()
+    argv = [token for given in line for token in given.tokens]
+    reference = [token for given in line if not _selects_schedule(given) for token in given.tokens]
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return ScaledLine(
+        argv=argv,
+        reference_argv=reference,
+        processes=tp * pp * limits.data_parallel,
+        schedule=settings.schedule,
+        precision=precision,
+        changes=scaler.changes,
+        kept=kept,
+    )
+
+
+def refuse(args: argparse.Namespace) -> None:
+    """What verify cannot check at all (``Refused`` names it)."""
+    if getattr(args, "num_experts", None):
+        raise Refused(
+            f"--num-experts {args.num_experts}: mixture-of-experts layers are not supported by megatron-zb yet (the W "
+            "split covers dense layers only); verify and train dense models"
+        )
+    if getattr(args, "yaml_cfg", None):
+        raise Refused("--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line")
+
+
+def _parallel(scaler: Scaler, limits: Limits):
+    """Tensor and pipeline sizes this machine runs: tensor 2 at most, pipeline 2 to what fits in 4 processes."""
+    args = scaler.args
+    tp = min(args.tensor_model_parallel_size, 2)
+    most_pp = max(2, MAX_PROCESSES // (tp * limits.data_parallel))
+    pp = min(max(args.pipeline_model_parallel_size, 2), most_pp)
+    why = f"this machine runs {tp * pp * limits.data_parallel} gloo processes (at most {MAX_PROCESSES})"
+    if tp != args.tensor_model_parallel_size:
+        scaler.set("--tensor-model-parallel-size", [str(tp)], why)
+    if pp != args.pipeline_model_parallel_size:
+        reason = why if args.pipeline_model_parallel_size > 1 else "a pipeline schedule needs two stages to compare"
+        scaler.set("--pipeline-model-parallel-size", [str(pp)], reason)
+    if getattr(args, "context_parallel_size", 1) > 1:
+        scaler.set("--context-parallel-size", ["1"], "context parallelism splits the sequence, not the pipeline")
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        scaler.set("--expert-model-parallel-size", ["1"], "no experts in a dense model")
+
+    def chunks_of(settings) -> int:
+        return settings.placement.num_stages
+
+    return tp, pp, chunks_of
+
+
+def _probe(args: argparse.Namespace, pp: int, tp: int, limits: Limits) -> argparse.Namespace:
+    """The user's flags at the scaled sizes, for megatron-zb's schedule checks (blocks of one layer)."""
+    probe = copy.copy(args)
+    chunks = _virtual_chunks(args)
+    vars(probe).update(
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=1,
+        data_parallel_size=limits.data_parallel,
+        micro_batch_size=1,
+        global_batch_size=2 * pp * limits.data_parallel,
+        num_layers=pp * 2 * chunks * 2,  # divides into any chunk count the schedules use here
+        num_layers_per_virtual_pipeline_stage=None,
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
+        zero_bubble_max_pending_backward=_scaled_limit(args, "zero_bubble_max_pending_backward", pp),
+        zero_bubble_memory_limit=_scaled_limit(args, "zero_bubble_memory_limit", pp),
+    )
+    return probe
+
+
+def _virtual_chunks(args: argparse.Namespace) -> int:
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        return args.virtual_pipeline_model_parallel_size
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_stage:
+        return max(1, args.num_layers // (per_stage * args.pipeline_model_parallel_size))
+    return 1
+
+
+def _scaled_limit(args: argparse.Namespace, name: str, pp: int):
+    value = getattr(args, name, None)
+    if value is None:
+        return None
+    scaled = value * pp / args.pipeline_model_parallel_size
+    return max(pp, round(scaled)) if isinstance(value, int) else max(float(pp) / 2, scaled)
+
+
+def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
+    """One layer per block; heads, groups and head size small, the GQA ratio and FFN ratio kept."""
+    args = scaler.args
+    scaler.set("--num-layers", [str(blocks)], f"one layer per pipeline block ({blocks} blocks)")
+    if args.num_layers_per_virtual_pipeline_stage:
+        scaler.set("--num-layers-per-virtual-pipeline-stage", ["1"], "one layer per pipeline block")
+    if args.group_query_attention:
+        groups = max(tp, 2)
+        heads = groups * max(1, args.num_attention_heads // args.num_query_groups)
+        ratio = f"{args.num_attention_heads}:{args.num_query_groups}"
+        scaler.set("--num-query-groups", [str(groups)], f"keeps the heads-to-groups ratio of {ratio}")
+        scaler.set("--num-attention-heads", [str(heads)], f"keeps the heads-to-groups ratio of {ratio}")
+    else:
+        heads = 2 * tp
+        scaler.set("--num-attention-heads", [str(heads)], f"two heads per tensor-parallel rank ({tp})")
+    hidden = heads * HEAD_DIM
+    if args.kv_channels is not None:
+        scaler.set("--kv-channels", [str(HEAD_DIM)], f"head size {HEAD_DIM}")
+    scaler.set("--hidden-size", [str(hidden)], f"{heads} heads of size {HEAD_DIM}")
+    if args.ffn_hidden_size is not None:
+        ratio = args.ffn_hidden_size / args.hidden_size
+        ffn = max(2 * tp, round(ratio * hidden / (2 * tp)) * 2 * tp)
+        scaler.set("--ffn-hidden-size", [str(ffn)], f"keeps the FFN-to-hidden ratio of {ratio:.3g}")
+    scaler.set("--seq-length", [str(SEQUENCE)], "a short sequence: the schedule does not depend on its length")
+    if args.max_position_embeddings is not None:
+        scaler.set("--max-position-embeddings", [str(SEQUENCE)], "the scaled sequence length")
+
+
+def _batch(scaler: Scaler, pp: int, limits: Limits) -> None:
+    """Two microbatches per stage (2·pp per iteration); a batch-size ramp becomes pp then 2·pp microbatches."""
+    args, dp = scaler.args, limits.data_parallel
+    micro = min(args.micro_batch_size, 2)
+    scaler.set("--micro-batch-size", [str(micro)], "a small microbatch")
+    full = micro * dp * 2 * pp
+    if args.rampup_batch_size is not None:
+        start = micro * dp * pp
+        samples = start * max(1, limits.iterations // 2)
+        scaler.set(
+            "--rampup-batch-size",
+            [str(start), str(start), str(samples)],
+            f"ramps from {pp} to {2 * pp} microbatches halfway, so the schedule is checked at both sizes",
+        )
+    if getattr(args, "step_batch_size_schedule", None) is not None:
+        start = micro * dp * pp
+        tokens = start * SEQUENCE * max(1, limits.iterations // 2)
+        scaler.set(
+            "--step-batch-size-schedule",
+            [f"0:{start} {tokens}:{full}"],
+            f"steps from {pp} to {2 * pp} microbatches halfway, so the schedule is checked at both sizes",
+        )
+        if not scaler.has("global_batch_size"):
+            return  # the step schedule sets it (Megatron-LM refuses both, as on your line when it gives both)
+    scaler.set("--global-batch-size", [str(full)], f"{2 * pp} microbatches per iteration: the steady state")
+
+
+def _iterations(scaler: Scaler, limits: Limits) -> None:
+    """Counted in iterations; the learning-rate schedule keeps its warm-up share."""
+    args, iterations = scaler.args, limits.iterations
+    why = f"verify trains {iterations} iterations (--verify-iters)"
+    scaler.set("--train-iters", [str(iterations)], why)
+    scaler.drop("train_samples", f"counted in iterations: {why}")
+    total = args.lr_decay_iters or args.lr_decay_samples or args.train_iters or args.train_samples
+    warmup = args.lr_warmup_iters or args.lr_warmup_samples or 0
+    if scaler.has("lr_decay_iters") or scaler.has("lr_decay_samples"):
+        scaler.drop("lr_decay_samples", "counted in iterations")
+        scaler.set("--lr-decay-iters", [str(iterations)], "decays over the scaled run")
+    if warmup and total:
+        share = warmup / total
+        steps = min(iterations - 1, max(1, math.ceil(share * iterations))) if share > 0 else 0
+        scaler.drop("lr_warmup_samples", "counted in iterations")
+        scaler.set("--lr-warmup-iters", [str(steps)], f"keeps a warm-up (your share: {share:.3g} of the decay)")
+    for dest in ("lr_wsd_decay_samples", "lr_wsd_decay_iters"):
+        if scaler.has(dest):
+            scaler.drop(dest, "the scaled run has no room for a separate WSD decay phase")
+    if args.eval_iters:
+        scaler.set("--eval-iters", ["1"], "one evaluation batch: evaluation runs the schedule's forward-only path")
+        scaler.set("--eval-interval", [str(iterations)], "evaluates once, at the end")
+    scaler.set("--log-interval", ["1"], "verify reads every iteration's loss and grad norm")
+
+
+def _data(scaler: Scaler, limits: Limits) -> None:
+    """Real data where its files are here, else mock data of the same sequence length."""
+    args = scaler.args
+    missing = _missing_data_files(args)
+    if args.mock_data or missing:
+        why = f"not found here: {', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}; mock data instead"
+        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path", *DATA_FILES):
+            scaler.drop(dest, why)
+        if not args.mock_data:
+            scaler.set("--mock-data", None, why)
+        scaler.set("--tokenizer-type", ["NullTokenizer"], "mock data's tokenizer: ids 0 .. vocab size")
+        scaler.set("--vocab-size", [str(MOCK_VOCAB)], "a small vocabulary")
+    if args.data_cache_path is not None or not args.mock_data:
+        scaler.set(
+            "--data-cache-path", [str(limits.folder / "data-cache")], "verify writes only in its temporary folder"
+        )
+
+
+def _missing_data_files(args: argparse.Namespace) -> list[str]:
+    if args.mock_data:
+        return []
+    from ..training.data import split_blend
+
+    prefixes = []
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, name, None):
+            prefixes += split_blend(getattr(args, name))[0]
+    files = [prefix + suffix for prefix in prefixes for suffix in (".bin", ".idx")]
+    files += [getattr(args, name) for name in DATA_FILES if getattr(args, name, None)]
+    missing = [path for path in files if not os.path.exists(path)]
+    if not prefixes:
+        missing.append("(no --data-path)")
+    return missing
+
+
+def _checkpoints(scaler: Scaler, limits: Limits) -> None:
+    if scaler.args.save is not None:
+        scaler.set(
+            "--save",
+            [str(limits.folder / "checkpoints")],
+            "saved once, at the end, in verify's temporary folder (checks the save path, never writes into yours)",
+        )
+        scaler.set("--save-interval", [str(limits.iterations)], "saves once, at the end")
+    else:
+        scaler.drop("save_interval", "no --save on the line")
+
+
+def _cpu(scaler: Scaler) -> None:
+    """Transformer Engine, fp8/fp4, CUDA graphs and fused kernels off; the rest of the math as given."""
+    for dest, why in GPU_ONLY.items():
+        scaler.drop(dest, why)
+    for setting in preflight.cpu_additions([], scaler.parser):
+        scaler.set(setting.flag, None if setting.value is None else [setting.value], setting.why)
+    backend = scaler.value("attention_backend")
+    if backend is not None and getattr(backend, "name", backend) != "auto":
+        scaler.set("--attention-backend", ["auto"], "megatron-core's local layer spec runs its own attention on CPU")
+    if scaler.value("cross_entropy_fusion_impl") == "te":
+        scaler.set("--cross-entropy-fusion-impl", ["native"], "Transformer Engine's fused cross entropy needs a GPU")
+    if scaler.args.fp16 and scaler.args.loss_scale is None and scaler.args.initial_loss_scale > FP16_START_SCALE:
+        scaler.set(
+            "--initial-loss-scale",
+            [str(FP16_START_SCALE)],
+            "at a larger scale the few scaled iterations would all overflow and skip their step (a full-size run "
+            "lowers the scale in its first steps); both runs start from it",
+        )
+    if _virtual_chunks(scaler.args) > 1 and scaler.knows("--no-overlap-p2p-communication"):
+        scaler.set(
+            "--no-overlap-p2p-communication",
+            None,
+            "megatron-core's interleaved schedule frees a sent output while a gloo send is in flight (the reference "
+            "run would diverge on CPU)",
+        )
+
+
+def _zero_bubble(scaler: Scaler, pp: int, limits: Limits) -> None:
+    args = scaler.args
+    for name, option in (
+        ("zero_bubble_max_pending_backward", "--zero-bubble-max-pending-backward"),
+        ("zero_bubble_memory_limit", "--zero-bubble-memory-limit"),
+    ):
+        value = _scaled_limit(args, name, pp)
+        if value is not None:
+            ratio = getattr(args, name) / args.pipeline_model_parallel_size
+            scaler.set(option, [str(value)], f"keeps the limit at {ratio:.3g} x the pipeline size")
+    if getattr(args, "zero_bubble_save_costs", None):
+        scaler.set("--zero-bubble-save-costs", [str(limits.folder / "costs.json")], "verify writes only in its folder")
+    scaler.set(SAME_INIT, None, "both runs draw every weight from the seed and its name, whatever the placement")
+
+
+def _selects_schedule(given: Given) -> bool:
+    """Flags of megatron-zb's group other than the shared initialisation: dropped for megatron-core's run."""
+    return given.dest in _zero_bubble_dests() and flag_of(given.action) != SAME_INIT
+
+
+@functools.cache
+def _zero_bubble_dests() -> frozenset[str]:
+    from ..megatron.args import add_args
+
+    return frozenset(action.dest for action in add_args(argparse.ArgumentParser(add_help=False))._actions)

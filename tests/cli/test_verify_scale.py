@@ -1,0 +1,195 @@
+"""``megatron-zb verify`` reads a real pretrain_gpt line with Megatron-LM's parser and scales it, every flag accounted.
+
+The lines are Megatron-LM's own example scripts (GPT-3 175B, Llama-3 8B; core_v0.16.1 and core_v0.19.0), kept as
+test data in tests/data/megatron_lm_examples (the argv their torchrun line passes, as bash expands it). Nothing
+trains here: the scaled copy is checked flag by flag, then Megatron-LM's own ``validate_args`` and megatron-zb's
+schedule checks accept it (``preflight.validate``), as the ranks will. Needs ``megatron.training`` (megatron-core
+0.17+, or a checkout on the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_zb import verify
+from megatron_zb.megatron.args import add_args, schedule_settings
+from megatron_zb.megatron_lm_flags import given_flags, megatron_lm_parser, megatron_lm_version
+from megatron_zb.verify import scale
+
+EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
+PARSER = megatron_lm_parser(add_args)
+pytestmark = pytest.mark.skipif(PARSER is None, reason="needs Megatron-LM's megatron.training (megatron-core >= 0.17)")
+# Megatron-LM's own answers differ by version: core_v0.16.1 refuses its own GPT-3 example (a batch-size ramp with
+# --train-iters) and has no --step-batch-size-schedule; 0.19 takes the first and refuses core_v0.19.0's example.
+OLD = PARSER is not None and megatron_lm_version().startswith("0.16")
+since_0_17 = pytest.mark.skipif(OLD, reason="Megatron-LM 0.16 answers otherwise (test_megatron_lm_0_16_refuses_...)")
+# Flags that carry the model's math: the scaled copy keeps each exactly as the line gives it.
+SEMANTIC = {
+    "llama3_8b": (
+        "--swiglu", "--normalization RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--position-embedding-type rope", "--rotary-base 1000000", "--apply-layernorm-1p", "--bf16",
+        "--clip-grad 1.0", "--calculate-per-token-loss", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--group-query-attention", "--init-method-std 0.0134", "--decoupled-lr 5.0e-4",
+        "--weight-decay 0.1", "--adam-beta2 0.95", "--lr 0.00015", "--lr-decay-style cosine",
+    ),
+    "gpt3_175b": ("--fp16", "--clip-grad 1.0", "--weight-decay 0.1", "--init-method-std 0.006", "--lr 6.0e-5"),
+}  # fmt: skip
+
+
+def example(name: str) -> list[str]:
+    return json.loads((EXAMPLES / f"{name}.json").read_text())["argv"]
+
+
+def scaled(argv: list[str], tmp_path: Path, iterations: int = 4) -> scale.ScaledLine:
+    flags, stray = given_flags(PARSER, argv)
+    assert not stray
+    args = PARSER.parse_args(argv)
+    return scale.scale(PARSER, flags, args, scale.Limits(iterations, 1, tmp_path), schedule_settings)
+
+
+def values(argv: list[str], flag: str) -> list[str] | None:
+    flags, _ = given_flags(PARSER, argv)
+    found = [given for given in flags if given.flag == flag]
+    return list(found[-1].values) if found else None
+
+
+@pytest.mark.parametrize("version", ["core_v0.16.1", "core_v0.19.0"])
+@pytest.mark.parametrize("zero_bubble", ["--enable-zero-bubble", "--zero-bubble-v-schedule"])
+def test_llama_example_scales_with_every_flag_accounted_for(tmp_path: Path, version: str, zero_bubble: str) -> None:
+    argv = [*example(f"llama3_8b_{version}"), zero_bubble]
+    line = scaled(argv, tmp_path)
+    flags, _ = given_flags(PARSER, argv)
+    changed = {change.flag for change in line.changes}
+    kept = set(line.kept)
+    for given in flags:
+        assert given.flag in changed or str(given) in kept, f"{given} is neither kept nor changed"
+    written = " ".join(argv)
+    for flag in SEMANTIC["llama3_8b"]:  # core_v0.16.1's example has no --normalization RMSNorm (LayerNorm)
+        assert flag in kept or flag not in written, f"{flag} must reach the scaled copy unchanged"
+    assert ("--normalization RMSNorm" in written) == (version == "core_v0.19.0")
+    argv = line.argv
+    # GQA 32:8 keeps its 4:1 ratio; the head size shrinks with --kv-channels; FFN keeps 14336/4096
+    assert values(argv, "--num-attention-heads") == ["8"] and values(argv, "--num-query-groups") == ["2"]
+    assert values(argv, "--kv-channels") == ["8"] and values(argv, "--hidden-size") == ["64"]
+    assert values(argv, "--ffn-hidden-size") == ["224"]
+    assert values(argv, "--pipeline-model-parallel-size") == ["2"]  # pp 1 on the line: a schedule needs two
+    assert values(argv, "--num-layers") == (["4"] if "v-schedule" in zero_bubble else ["2"])
+    assert values(argv, "--train-iters") == ["4"] and values(argv, "--train-samples") is None
+    for gone in ("--fp8-format", "--load", "--tensorboard-dir", "--profile", "--exit-duration-in-mins"):
+        assert values(argv, gone) is None, f"{gone} must not reach the scaled copy"
+    assert values(argv, "--save")[0].startswith(str(tmp_path))
+    assert values(argv, "--transformer-impl") == ["local"]
+    assert zero_bubble in argv and zero_bubble not in line.reference_argv
+    assert scale.SAME_INIT in argv and scale.SAME_INIT in line.reference_argv
+    assert line.precision == "bf16" and line.processes == 2
+    from megatron_zb.megatron_lm_preflight import validate
+
+    for run in (line.argv, line.reference_argv):
+        validated = validate(PARSER, run, line.processes)
+        assert validated.num_query_groups == 2 and validated.swiglu and validated.add_bias_linear is False
+    table = line.table()
+    assert "keeps the heads-to-groups ratio of 32:8" in table and "fp8 needs Transformer Engine" in table
+
+
+@since_0_17
+def test_gpt3_example_maps_its_parallel_sizes_onto_four_processes(tmp_path: Path) -> None:
+    argv = [*example("gpt3_175b_core_v0.16.1"), "--enable-zero-bubble"]
+    line = scaled(argv, tmp_path)
+    assert values(line.argv, "--tensor-model-parallel-size") == ["2"]
+    assert values(line.argv, "--pipeline-model-parallel-size") == ["2"]
+    assert line.processes == 4 and line.schedule == "zb-1p" and line.precision == "fp16"
+    for flag in SEMANTIC["gpt3_175b"]:
+        assert flag in line.kept
+    # the batch-size ramp is kept, scaled: pp then 2·pp microbatches, switching halfway
+    assert values(line.argv, "--rampup-batch-size") == ["2", "2", "4"]
+    # missing data files: mock data, and the reason names the file
+    why = next(change.why for change in line.changes if change.flag == "--data-path")
+    assert "/data/my-gpt3_00_text_document.bin" in why and "--mock-data" in line.argv
+    assert values(line.argv, "--initial-loss-scale") == [str(scale.FP16_START_SCALE)]
+    from megatron_zb.megatron_lm_preflight import validate
+
+    validate(PARSER, line.argv, line.processes)
+
+
+@since_0_17
+def test_zb_2p_limit_follows_the_pipeline_size(tmp_path: Path) -> None:
+    argv = [*example("gpt3_175b_core_v0.16.1"), "--enable-zero-bubble", "--zero-bubble-max-pending-backward", "32"]
+    line = scaled(argv, tmp_path)
+    assert line.schedule == "zb-2p" and values(line.argv, "--zero-bubble-max-pending-backward") == ["4"]
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = verify.main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@since_0_17
+def test_a_split_quoted_value_is_refused_with_its_cause() -> None:
+    code, _, err = run_main(["--", *example("gpt3_175b_core_v0.19.0"), "--enable-zero-bubble"])
+    assert code == 2 and "Traceback" not in err
+    assert "values that follow no flag" in err and "2.4B:320 4.8B:624" in err
+    assert "--step-batch-size-schedule takes one value: was a quoted value split by the shell?" in err
+
+
+@since_0_17
+def test_megatron_lm_refusal_of_the_line_comes_before_any_process() -> None:
+    argv = example("gpt3_175b_core_v0.19.0")
+    at = argv.index("--step-batch-size-schedule")
+    joined = [*argv[: at + 1], " ".join(argv[at + 1 : at + 7]), *argv[at + 7 :], "--enable-zero-bubble"]
+    code, _, err = run_main(["--", *joined])
+    assert code == 2
+    assert "Cannot specify both --step-batch-size-schedule and --global-batch-size" in err
+
+
+@pytest.mark.skipif(not OLD, reason="Megatron-LM 0.16's own refusals")
+def test_megatron_lm_0_16_refuses_its_own_gpt3_examples() -> None:
+    code, _, err = run_main(["--", *example("gpt3_175b_core_v0.16.1"), "--enable-zero-bubble"])
+    assert code == 2 and "your line, before any scaling: Megatron-LM 0.16.1's validate_args refuses it" in err
+    assert "expected no batch-size rampup for iteration-based training" in err
+    code, _, err = run_main(["--", *example("gpt3_175b_core_v0.19.0"), "--enable-zero-bubble"])
+    assert code == 2
+    assert "1 flag that Megatron-LM 0.16.1's pretrain_gpt does not know: --step-batch-size-schedule" in err
+
+
+def test_unknown_flags_are_all_named_in_one_message() -> None:
+    code, _, err = run_main(["--", *example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--fooo", "1", "--baar"])
+    assert code == 2 and "2 flags that Megatron-LM" in err and "--fooo 1, --baar" in err
+
+
+def test_moe_is_refused_by_name() -> None:
+    code, _, err = run_main(["--", *example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--num-experts", "8"])
+    assert code == 2 and "--num-experts 8: mixture-of-experts layers are not supported" in err
+
+
+def test_a_line_without_a_zero_bubble_schedule_is_refused() -> None:
+    code, _, err = run_main(["--", *example("llama3_8b_core_v0.19.0")])
+    assert code == 2 and "no megatron-zb schedule on this line" in err
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-1e-3"])
+def test_tolerance_must_be_finite_and_non_negative(tolerance: str) -> None:
+    code, out, err = run_main(["--verify-tolerance", tolerance, "--", *example("llama3_8b_core_v0.19.0")])
+    assert code == 2 and "--verify-tolerance" in err and "OK" not in out
+
+
+def test_scaler_records_what_it_replaces() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--swiglu", action="store_true")
+    flags, _ = given_flags(parser, ["--hidden-size", "4096", "--swiglu"])
+    scaler = scale.Scaler(parser, flags, parser.parse_args(["--hidden-size", "4096", "--swiglu"]))
+    scaler.set("--hidden-size", ["64"], "small")
+    line, kept = scaler.result()
+    assert [str(given) for given in line] == ["--hidden-size 64", "--swiglu"] and kept == ["--swiglu"]
+    assert scaler.changes == [scale.Change("--hidden-size", "4096", "64", "small")]
