@@ -13,9 +13,9 @@
 FROM nvcr.io/nvidia/pytorch:25.12-py3
 
 # pip must never replace the image's torch: it is NVIDIA's own build (a pre-release version such
-# as 2.10.0a0+..., linked against the image's CUDA and NCCL), and a PyPI torch would silently
+# as 2.10.0a0+..., linked against the image's CUDA and NCCL), and a torch from the package index would silently
 # drop those. The image keeps PIP_CONSTRAINT=/etc/pip/constraint.txt, which pins its packages;
-# never unset it. Also, no `pip install apex`: PyPI's "apex" is an unrelated package, and
+# never unset it. Also, no `pip install apex`: the package index's "apex" is an unrelated package, and
 # NVIDIA apex is already here. The torch version is recorded now and compared after the installs.
 RUN python -c "import importlib.metadata as m; print(m.version('torch'))" > /opt/torch-version
 

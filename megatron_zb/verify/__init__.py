@@ -24,6 +24,7 @@ from .verdict import TOLERANCE, check_tolerance, compare, report
 PROG = "megatron-zb verify"
 ITERATIONS = 4
 LOOPS = ("megatron-lm", "launcher")
+LINE_REFUSED = "your line, before any scaling: {error}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +160,7 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
         processes = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
         preflight.validate(parser, scale.on_cpu(parser, flags, args), processes)
     except ValueError as error:
-        raise ValueError(f"your line, before any scaling: {error}") from None
+        raise ValueError(LINE_REFUSED.format(error=error)) from None
     with tempfile.TemporaryDirectory(prefix="megatron-zb-verify-") as folder:
         limits = scale.Limits(options.verify_iters, options.verify_data_parallel, Path(folder))
         try:

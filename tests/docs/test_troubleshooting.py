@@ -164,6 +164,66 @@ def no_megatron_lm(monkeypatch) -> str:
     return raised(megatron_lm._pretrain_gpt_module)
 
 
+def surface(with_megatron_lm: bool) -> str:
+    """The launcher's refusal of a Megatron-LM flag its loop lacks: with Megatron-LM's parser, and without."""
+    from megatron_zb.training import flag_surface
+
+    if with_megatron_lm:  # the message flag_surface.check gives where Megatron-LM's parser knows the flag
+        return flag_surface.TO_MEGATRON_LM.format(listed="--reset-attention-mask", them="it")
+    return raised(lambda: flag_surface._without_megatron_lm(["--reset-attention-mask"], build_parser()))
+
+
+def unknown_to(version: str, *argv: str) -> str:
+    """refuse_unknown's message for a line read by a parser that lacks the flag (Megatron-LM's, named by version)."""
+    from megatron_zb.megatron_lm_flags import given_flags, refuse_unknown
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--hidden-size", type=int)
+    flags, stray = given_flags(parser, list(argv) or ["--fooo"])
+    return refuse_unknown(flags, stray, f"Megatron-LM {version}'s pretrain_gpt")
+
+
+def gpu_only_on_cpu() -> str:
+    from megatron_zb.megatron_lm_flags import Given
+    from megatron_zb.megatron_lm_preflight import _gpu_only
+
+    return _gpu_only("fp8", [Given("--fp8-format", ("hybrid",), argparse.Action(["--fp8-format"], "fp8"))])
+
+
+def unset_eval_interval(monkeypatch) -> str:
+    from megatron_zb import megatron_lm_preflight as preflight
+
+    monkeypatch.setattr(preflight, "megatron_lm_version", lambda: "0.19.2")
+    args = SimpleNamespace(eval_interval=None, skip_train=False, full_validation=False)
+    return raised(lambda: preflight._refuse_unset_eval_interval(args))
+
+
+def megatron_lm_refuses_the_line() -> str:
+    """verify's prefix for what Megatron-LM's validate_args (or our checks) refuse in the line as given."""
+    import megatron_zb.verify as verify
+
+    return verify.LINE_REFUSED.format(error="Megatron-LM 0.19.2's validate_args refuses it: ...")
+
+
+def moe() -> None:
+    from megatron_zb.verify.scale import refuse
+
+    refuse(SimpleNamespace(num_experts=8, yaml_cfg=None))
+
+
+def check_tolerance(value: float) -> None:
+    from megatron_zb.verify.verdict import check_tolerance as check
+
+    check(value)
+
+
+def all_skipped() -> str:
+    from megatron_zb.verify.verdict import Run, compare, report
+
+    run = Run(losses={1: 5.0, 2: 5.0}, grad_norms={1: 1.0, 2: 1.0}, skipped={1: True, 2: True})
+    return report(compare(run, run, 1e-5), run, run, "zb-v", 1e-5)
+
+
 def wrong_chunk_count(_monkeypatch) -> str:
     pytest.importorskip("torch")
     from megatron_zb.runtime.forward_backward import ForwardBackward
@@ -301,7 +361,9 @@ CASES = [
         lambda _: train("--pipeline-schedule interleaved-1f1b --num-layers-per-virtual-pipeline-stage 3"),
     ),
     # megatron-zb train only
-    ("unrecognized arguments: --reset-attention-mask", lambda _: train("--reset-attention-mask")),
+    ("megatron-zb's own training loop does not implement --reset-attention-mask", lambda _: surface(True)),
+    ("that megatron-zb's launcher does not know: --reset-attention-mask", lambda _: surface(False)),
+    ("flag that Megatron-LM 0.19.2's pretrain_gpt does not know: --fooo", lambda _: unknown_to("0.19.2")),
     (
         "6 processes do not split into tensor (1) x pipeline (4) groups; use a multiple of 4",
         lambda _: train("--cpu-procs 6"),
@@ -345,6 +407,17 @@ CASES = [
         v_on_megatron_lm(num_layers=14, allow_padding_num_layers=True),
     ),
     ("--megatron-lm needs a Megatron-LM checkout", no_megatron_lm),
+    ("--fp8-format hybrid cannot run on CPU: fp8 needs Transformer Engine", lambda _: gpu_only_on_cpu()),
+    ("--eval-interval: Megatron-LM 0.19.2 leaves it unset by default", unset_eval_interval),
+    # verify
+    ("values that follow no flag", lambda _: unknown_to("0.19.2", "--hidden-size", "64", "128")),
+    ("your line, before any scaling: Megatron-LM", lambda _: megatron_lm_refuses_the_line()),
+    ("mixture-of-experts layers are not supported by megatron-zb yet", lambda _: raised(moe)),
+    (
+        "--verify-tolerance nan: give a finite relative difference of 0 or more",
+        lambda _: raised(lambda: check_tolerance(float("nan"))),
+    ),
+    ("INCONCLUSIVE: every iteration skipped the optimizer step", lambda _: all_skipped()),
     # planning
     (
         "zb-h2 needs --memory-limit >= 7 for pp=4, microbatches=8, got 4",

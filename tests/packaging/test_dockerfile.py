@@ -177,8 +177,8 @@ def pip_problems(found: list[Instruction]) -> list[str]:
             name, version = requirement(spec)
             if name == "apex":
                 problems.append(
-                    f"{where}: pip installs `{spec}`: the package index's apex is an unrelated package; NVIDIA apex comes with "
-                    "the NGC image"
+                    f"{where}: pip installs `{spec}`: the package index's apex is an unrelated package; NVIDIA apex "
+                    "comes with the NGC image"
                 )
             elif name in IMAGE_PACKAGES:
                 problems.append(
@@ -289,6 +289,9 @@ RUN python -m pip install --no-deps /opt/megatron-zb
 """
 
 
+INDEX_APEX = "the package index's apex"
+
+
 def before_copy(line: str) -> tuple[str, str]:
     """(old, new) that adds `line` to the good example."""
     return "COPY .", f"{line}\nCOPY ."
@@ -300,9 +303,9 @@ BAD = {
     "untagged base": (BASE, "nvcr.io/nvidia/pytorch", "not pinned"),
     "base from a variable": (f"FROM {BASE}", "ARG TAG=25.12\nFROM nvcr.io/nvidia/pytorch:${TAG}-py3", "variable"),
     "another base": (BASE, "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-devel", "NVIDIA's PyTorch image"),
-    "pip install apex": (*before_copy("RUN pip install apex"), "the package index's apex"),
-    "pip3 install with options": (*before_copy("RUN pip3 install --no-cache-dir -U apex"), "the package index's apex"),
-    "python -m pip apex": (*before_copy("RUN cd /tmp && python3 -m pip install 'apex==0.9.10dev'"), "the package index's apex"),
+    "pip install apex": (*before_copy("RUN pip install apex"), INDEX_APEX),
+    "pip3 install with options": (*before_copy("RUN pip3 install --no-cache-dir -U apex"), INDEX_APEX),
+    "python -m pip apex": (*before_copy("RUN cd /tmp && python3 -m pip install 'apex==0.9.10dev'"), INDEX_APEX),
     "unpinned megatron-core": ("megatron-core==0.16.1", "megatron-core", "not pinned with `==`"),
     "ranged megatron-core": ("megatron-core==0.16.1", "'megatron-core>=0.16'", "not pinned with `==`"),
     "wildcard megatron-core": ("megatron-core==0.16.1", "megatron-core==0.16.*", "not pinned with `==`"),
