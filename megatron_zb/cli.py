@@ -280,6 +280,23 @@ def data_parallel(args: argparse.Namespace) -> DataParallel | None:
     return DataParallel(gather="windows" if args.zero3 else "none", prefetch=prefetch)
 
 
+# The largest setting plan and compare take, in passes (F, B, W per microbatch and stage, 2 stages per rank
+# unless --chunks says otherwise): pp 128 with 1024 microbatches, about 30 s and 0.7 GB for zb-v here.
+MAX_PASSES = 3 * 2 * 128 * 1024
+
+
+def check_size(pp: int, microbatches: int, chunks: int | None) -> None:
+    """Refuse a setting too large to plan in reasonable time and memory, naming the limit."""
+    passes = 3 * max(chunks or 2, 2) * pp * microbatches
+    if passes > MAX_PASSES:
+        raise ScheduleError(
+            f"--pp {pp} with --microbatches {microbatches} is {passes:,} passes (F, B and W of every microbatch on "
+            f"every stage, {max(chunks or 2, 2)} stages per rank); plan and compare take at most {MAX_PASSES:,} "
+            "(e.g. pp 128 with 1024 microbatches: about 30 s and 0.7 GB for zb-v): plan fewer microbatches (a "
+            "schedule's bubble changes little past 8 x pp) or a smaller pipeline"
+        )
+
+
 def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec:
     """The ScheduleSpec of the setting flags; raises ScheduleError for a bad cost model."""
     if args.costs_from:
@@ -287,6 +304,7 @@ def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec
     missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
     if missing:
         raise ScheduleError(f"give {' and '.join(missing)} (or --costs-from FILE, which records them)")
+    check_size(args.pp, args.microbatches, args.chunks)
     flags = {
         name: default if getattr(args, name) is None else getattr(args, name) for name, default in _UNIT_COSTS.items()
     }
@@ -327,6 +345,7 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
     microbatches = args.microbatches or measured.microbatches
     if microbatches is None:
         raise ScheduleError(f"give --microbatches: --costs-from {args.costs_from} does not record them")
+    check_size(measured.costs.pp, microbatches, args.chunks)
     memory = {name: getattr(args, name) for name in _MEMORY if getattr(args, name) is not None}
     memory.update(
         {name.replace("cost_", "t_"): getattr(args, name) for name in _DATA_PARALLEL if getattr(args, name) is not None}
@@ -532,6 +551,15 @@ def run_sweep(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``megatron-zb`` command; Ctrl-C at any point ends it with status 130 and one line, no traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("megatron-zb: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         from .pretrain_gpt import main as train  # needs torch and megatron-core

@@ -24,6 +24,18 @@ STARTUP_TIMEOUT = timedelta(minutes=5)  # for every rank to import and connect, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``megatron-zb train``; Ctrl-C before the ranks start ends it with status 130 and one line, no traceback.
+
+    Once the ranks run, the launcher's signal handling ends them all (``watchdog.supervise``), also with 130.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("megatron-zb train: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from .training.arguments import parse
 
     argv = list(sys.argv[1:] if argv is None else argv)

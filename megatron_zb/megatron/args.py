@@ -16,7 +16,7 @@ from ..schedule import Schedule, ScheduleError, ScheduleSpec, names
 from ..schedule.placement import Placement
 from ..schedule.registry import get
 from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
-from ..training.checks import check_zero_bubble_numbers, refuse_zero_bubble_settings
+from ..training.checks import check_zero_bubble_numbers, refuse_zero_bubble_settings, wait_timeout_s
 from .layer_split import layers_per_block
 
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
@@ -141,9 +141,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--zero-bubble-p2p-timeout",
         type=float,
-        default=600.0,
+        default=None,
         metavar="SECONDS",
-        help="a pipeline send or receive that waits longer fails, naming the rank, pass and microbatch (default 600)",
+        help="a pipeline send or receive that waits longer fails, naming the rank, pass and microbatch; it may only "
+        "shorten --distributed-timeout-minutes, which bounds every wait (default: that timeout)",
     )
     group.add_argument(
         "--zero-bubble-placement-independent-init",
@@ -239,7 +240,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         return None
     name, memory_limit = _schedule_name(args)
     pp = args.pipeline_model_parallel_size
-    chunks = _virtual_chunks(args)
+    chunks = virtual_chunks(args)
     microbatches = _microbatches(args)
     _refuse_unsupported_models(args)
     post_validation = _post_validation(args)
@@ -281,7 +282,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         costs_file=getattr(args, "zero_bubble_save_costs", None),
         post_validation=post_validation,
         post_validation_rollback=getattr(args, "optimizer_post_validation_rollback", "exact"),
-        p2p_timeout_s=getattr(args, "zero_bubble_p2p_timeout", 600.0),
+        p2p_timeout_s=wait_timeout_s(args),
         breadth_first_microbatches=group,
         placements=schedule.placements,
         shared=schedule.shared,
@@ -343,6 +344,12 @@ def _post_validation(args: argparse.Namespace) -> bool:
         raise ValueError(
             "--enable-optimizer-post-validation does not support --overlap-param-gather: the all-gather of updated "
             "parameters would run inside forwards that an undone step has to redo; drop one of them"
+        )
+    optimizer = getattr(args, "optimizer", "adam")
+    if getattr(args, "optimizer_post_validation_rollback", "exact") == "in-place" and optimizer != "adam":
+        raise ValueError(
+            f"--optimizer-post-validation-rollback in-place undoes a step by running Adam's update backwards; "
+            f"--optimizer {optimizer} has no such inverse: use --optimizer-post-validation-rollback exact"
         )
     return True
 
@@ -420,7 +427,8 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
     return name, limit
 
 
-def _virtual_chunks(args: argparse.Namespace) -> int | None:
+def virtual_chunks(args: argparse.Namespace) -> int | None:
+    """Chunks per rank the virtual-pipeline flags ask for (None: not given); ValueError when they do not split."""
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_stage is not None:

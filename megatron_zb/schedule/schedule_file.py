@@ -65,6 +65,11 @@ def _pass(item: dict) -> Pass:
 def _json_placements(name: str, data: dict, ranks: list) -> tuple[Placement, ...]:
     """The placements the file names, or the one its passes imply; its per-pass chunks must agree."""
     pp = len(ranks)
+    if "pp" in data and data["pp"] != pp:
+        raise ScheduleError(
+            f'{name}: "pp" is {data["pp"]} but "ranks" holds the orders of {pp} ranks; a schedule file gives one '
+            "order per pipeline rank (fix the file, or write it again with `megatron-zb plan --format json`)"
+        )
     kinds = data.get("placement")
     if kinds is None:
         stage_rank = {int(item["stage"]): r for r, rank in enumerate(ranks) for item in rank}

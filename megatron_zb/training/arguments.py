@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from ..megatron.args import add_args, schedule_settings
 from ..schedule.placement import Placement, linear
-from . import checks, flag_surface
+from . import checks, flag_surface, memory_fit
 from .manifest import check_before_spawn
 
 # Megatron-LM's --tokenizer-type values that megatron-core's tokenizers build from local files.
@@ -270,6 +270,8 @@ def derive_and_check(args: argparse.Namespace) -> list[str]:
     checks.refuse_cpu_flags(args)
     args.tokenizer_vocab_size = tokenizer_vocab(args)
     args.padded_vocab_size = padded_vocab(args.tokenizer_vocab_size, args.make_vocab_size_divisible_by, args)
+    if args.cpu:  # the processes start here: their memory is this machine's
+        memory_fit.check_fits(args, args.data_parallel_size)
     args.zero_bubble = schedule_settings(args)
     args.placement = placement_of(args)
     args.placements = args.zero_bubble.placements if args.zero_bubble is not None else (args.placement,)
@@ -418,12 +420,10 @@ def placement_of(args: argparse.Namespace) -> Placement:
     """Where the layer blocks go: the schedule's placement, or megatron-core's for its own schedules."""
     if args.zero_bubble is not None:
         return args.zero_bubble.placement
-    from ..megatron.args import check_layers
+    from ..megatron.args import check_layers, virtual_chunks
     from ..schedule import ScheduleSpec, build
 
-    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if vp is None and args.num_layers_per_virtual_pipeline_stage:
-        vp = args.num_layers // (args.num_layers_per_virtual_pipeline_stage * pp)
+    pp, vp = args.pipeline_model_parallel_size, virtual_chunks(args)
     if vp is not None and vp > 1:
         reference = build("interleaved-1f1b", ScheduleSpec(pp, max(pp, 1), vp))
     else:

@@ -47,6 +47,10 @@ class Range:
 POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
 PROBABILITY = Range(0, 1, high_open=True)  # dropout and Adam's betas: 1 would zero every value / never forget
+# Every wait is bounded by one timeout: at least a second (a shorter one fails healthy waits), at most a day
+# (longer ones overflow gloo's and the store's millisecond counters, and a stall would go unnamed for days).
+TIMEOUT_SECONDS = Range(1, 86400)
+TIMEOUT_MINUTES = Range(1 / 60, 1440)
 
 # Integers that count something: at least 1. None (not given) takes the default later.
 COUNTS = (
@@ -74,7 +78,6 @@ NUMBERS = {
     "initial_loss_scale": POSITIVE,
     "min_loss_scale": POSITIVE,
     "loss_scale_window": Range(1),
-    "distributed_timeout_minutes": POSITIVE,  # a float: tests use seconds
     "layernorm_epsilon": NON_NEGATIVE,
     "rotary_percent": Range(0, 1, low_open=True),
     "rope_scaling_factor": POSITIVE,
@@ -140,13 +143,49 @@ def check_given(args: argparse.Namespace) -> None:
 
 def check_zero_bubble_numbers(args: argparse.Namespace) -> None:
     """megatron-zb's own numbers; every route calls this (launcher, --megatron-lm, the patched pretrain_gpt)."""
-    check_number("zero_bubble_p2p_timeout", getattr(args, "zero_bubble_p2p_timeout", None), POSITIVE)
+    check_timeouts(args)
     check_number("zero_bubble_memory_limit", getattr(args, "zero_bubble_memory_limit", None), POSITIVE)
+
+
+def check_timeouts(args: argparse.Namespace) -> None:
+    """One timeout bounds every wait: --distributed-timeout-minutes; --zero-bubble-p2p-timeout may only shorten it."""
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    if minutes is not None and minutes not in TIMEOUT_MINUTES:
+        raise ValueError(
+            f"--distributed-timeout-minutes must be a finite number of minutes from 1 second to a day "
+            f"({TIMEOUT_MINUTES.low:.4g} to {TIMEOUT_MINUTES.high:g}), got {minutes}: it bounds every wait, and "
+            "names the stalled rank once a wait reaches it"
+        )
+    p2p = getattr(args, "zero_bubble_p2p_timeout", None)
+    if p2p is None:
+        return
+    if p2p not in TIMEOUT_SECONDS:
+        raise ValueError(
+            f"--zero-bubble-p2p-timeout must be a finite number of seconds {TIMEOUT_SECONDS}, got {p2p} (leave it "
+            "out: pipeline waits then use --distributed-timeout-minutes)"
+        )
+    if minutes is not None and p2p > minutes * 60:
+        raise ValueError(
+            f"--zero-bubble-p2p-timeout {p2p:g} s is longer than --distributed-timeout-minutes {minutes:g} "
+            f"({minutes * 60:g} s), which bounds every wait: it may only shorten it; give at most {minutes * 60:g} "
+            "or raise --distributed-timeout-minutes"
+        )
+
+
+def wait_timeout_s(args: argparse.Namespace) -> float:
+    """The timeout of a pipeline wait: --zero-bubble-p2p-timeout if given, else --distributed-timeout-minutes."""
+    p2p = getattr(args, "zero_bubble_p2p_timeout", None)
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    default = 60.0 * minutes if minutes is not None else DEFAULT_TIMEOUT_S
+    return min(p2p, default) if p2p is not None else default
+
+
+DEFAULT_TIMEOUT_S = 600.0  # Megatron-LM's --distributed-timeout-minutes default, 10
 
 
 # megatron-zb's settings that only a megatron-zb schedule reads, with their defaults.
 ZERO_BUBBLE_SETTINGS = {
-    "zero_bubble_p2p_timeout": 600.0,
+    "zero_bubble_p2p_timeout": None,
     "zero_bubble_pipeline_timers_start_iter": 100,
     "zero_bubble_pipeline_timers_end_iter": 110,
     "optimizer_post_validation_rollback": "exact",

@@ -241,13 +241,15 @@ def _resume(args: argparse.Namespace, trainee: Trainee, load_checkpoint) -> int:
 
 
 def _extra(args: argparse.Namespace) -> dict:
-    from .manifest import placement_text
+    from .manifest import model_shape, placement_text
 
     schedule = args.zero_bubble.schedule if args.zero_bubble else "megatron-core"
     return {
         "schedule": schedule,
         "seed": args.seed,
         "placement": placement_text(args.placements if len(args.placements) > 1 else args.placement),
+        "model": model_shape(args),
+        "optimizer": args.optimizer,
     }
 
 

@@ -1,9 +1,9 @@
 """A checkpoint folder's files without torch: tracker, manifest, durable writes, and the checks before spawn.
 
 Every iteration folder holds ``manifest.json``: the iteration, the layout (tp, pp, dp, chunks,
-optimizer kind), the placement and schedule, and each file's size and sha256, with a hash of
-the manifest itself. A checkpoint is loaded only if every file it names is there, with its
-size and hash: a truncated, empty, bit-flipped or foreign file (mixed from another save) is
+optimizer kind), the placement and schedule, the model's shape and the optimizer, and each file's
+size and sha256, with a hash of the manifest itself. A checkpoint is loaded only if every file it
+names is there, with its size and hash: a truncated, empty, bit-flipped or foreign file (mixed from another save) is
 refused by name. The launcher reads the manifest before it spawns anything (``check_before_spawn``),
 so a layout mismatch, a missing or truncated file, or a ``--save`` that would write over
 checkpoints this run did not load is refused in a second, not after the model is built.
@@ -62,6 +62,34 @@ _FLAGS = {
     "chunks": "the schedule's chunks per rank (--pipeline-schedule / --virtual-pipeline-model-parallel-size)",
     "distributed_optimizer": "--use-distributed-optimizer",
 }
+
+
+# What the weights' shapes follow (args field -> flag): a checkpoint of another shape cannot load.
+MODEL_FIELDS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "padded_vocab_size": "--vocab-size (or the tokenizer's vocabulary, padded)",
+    "max_position_embeddings": "--max-position-embeddings",
+    "swiglu": "--swiglu",
+    "normalization": "--normalization",
+    "add_bias_linear": "--disable-bias-linear",
+    "add_qkv_bias": "--add-qkv-bias",
+    "qk_layernorm": "--qk-layernorm",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "position_embedding_type": "--position-embedding-type",
+}
+
+
+def model_shape(args: argparse.Namespace) -> dict:
+    """The flags the weights' shapes follow, as a run records them in its manifest."""
+    shape = {name: getattr(args, name, None) for name in MODEL_FIELDS}
+    if not getattr(args, "group_query_attention", False):
+        shape["num_query_groups"] = None
+    return shape
 
 
 def placement_text(placement) -> str:
@@ -166,6 +194,8 @@ def build_manifest(iteration: int, layout: Layout, files: dict[str, tuple[int, s
         "layout": asdict(layout),
         "placement": extra.get("placement"),
         "schedule": extra.get("schedule"),
+        "model": extra.get("model"),
+        "optimizer": extra.get("optimizer"),
         "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in sorted(files.items())},
     }
     return {**body, "manifest_sha256": _json_hash(body)}
@@ -248,13 +278,19 @@ def replace_durably(path: Path, data: bytes, hook: Callable | None = None) -> No
 def check_before_spawn(args: argparse.Namespace) -> None:
     """Refuse --load/--save settings that would fail after spawn or destroy checkpoints (CheckpointError).
 
-    Reads the tracker and the manifest of --load (no hashes: the ranks verify those), compares
-    its layout with this run's, and refuses a --save folder holding checkpoints at or after the
-    first iteration this run would save, unless the run resumes from that very folder.
+    Reads the tracker and the manifest of --load (with --cpu also every file's sha256; under torchrun the
+    ranks verify those), compares its layout, model shape and optimizer kind with this run's, and refuses
+    a --save folder holding checkpoints at or after the first iteration this run would save, unless the
+    run resumes from that very folder.
     """
     missing_flag = getattr(args, "exit_on_missing_checkpoint", False)
     if missing_flag and not args.load:
         raise CheckpointError("--exit-on-missing-checkpoint needs --load DIRECTORY")
+    if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
+        raise CheckpointError(
+            f"--load {args.load} is a file; give the checkpoint folder (the --save folder of the run to resume, which "
+            f"holds {TRACKER} and iter_* folders)"
+        )
     start, resumes_from = 0, None
     if args.load:
         try:
@@ -299,10 +335,36 @@ def _check_loadable(args: argparse.Namespace, folder: Path) -> None:
             f"the same parallel sizes, optimizer kind and a schedule of the same placement (checkpoints are not "
             f"resharded)"
         )
-    problems = check_files(folder, manifest, sorted(manifest["files"]), hashed=set())
+    _check_model_and_optimizer(args, folder, manifest)
+    # The launcher holds the files: it verifies every hash before spawning (under torchrun each rank does its own).
+    names = sorted(manifest["files"])
+    problems = check_files(folder, manifest, names, hashed=set(names) if getattr(args, "cpu", False) else set())
     problems += unexpected_files(folder, manifest)
     if problems:
         raise CheckpointError(f"--load {args.load}: {'; '.join(problems)}")
+
+
+def _check_model_and_optimizer(args: argparse.Namespace, folder: Path, manifest: dict) -> None:
+    """The weights' shapes and the optimizer's kind must match the checkpoint's (recorded since format 2 + model)."""
+    saved = manifest.get("model")
+    if saved is not None:
+        ours = model_shape(args)
+        differs = [
+            f"{MODEL_FIELDS[name]}: checkpoint {saved[name]}, this run {ours[name]}"
+            for name in MODEL_FIELDS
+            if name in saved and saved[name] != ours[name]
+        ]
+        if differs:
+            raise CheckpointError(
+                f"--load {args.load}: {folder.name} holds a model of another shape ({'; '.join(differs)}); resume with "
+                "the flags it was saved with"
+            )
+    optimizer = manifest.get("optimizer")
+    if optimizer is not None and optimizer != getattr(args, "optimizer", optimizer):
+        raise CheckpointError(
+            f"--load {args.load}: {folder.name} holds the state of --optimizer {optimizer} (its moments and step), "
+            f"which --optimizer {args.optimizer} cannot resume from; resume with --optimizer {optimizer}"
+        )
 
 
 def first_save(args: argparse.Namespace, start: int) -> int | None:

@@ -295,12 +295,9 @@ def _probe(args: argparse.Namespace, pp: int, tp: int, limits: Limits) -> argpar
 
 
 def _virtual_chunks(args: argparse.Namespace) -> int:
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        return args.virtual_pipeline_model_parallel_size
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if per_stage:
-        return max(1, args.num_layers // (per_stage * args.pipeline_model_parallel_size))
-    return 1
+    from ..megatron.args import virtual_chunks
+
+    return virtual_chunks(args) or 1
 
 
 def _scaled_limit(args: argparse.Namespace, name: str, pp: int):

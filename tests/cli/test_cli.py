@@ -100,3 +100,28 @@ def test_module_entry_point():
         check=True,
     )
     assert json.loads(result.stdout)["makespan"] == 9
+
+
+def test_plan_and_compare_refuse_settings_above_their_size_naming_the_limit(capsys) -> None:
+    from megatron_zb.cli import MAX_PASSES, check_size
+
+    for command in (["plan", "--schedule", "zb-v"], ["compare"]):
+        code = main([*command, "--pp", "4096", "--microbatches", "8192"])
+        err = capsys.readouterr().err
+        assert code == 2 and "is 201,326,592 passes" in err and f"take at most {MAX_PASSES:,}" in err
+    check_size(128, 1024, None)  # the largest setting taken: pp 128, 1024 microbatches, 2 chunks
+
+
+@pytest.mark.parametrize("command", [["plan", "--schedule", "1f1b", "--pp", "2", "-m", "2"], ["train", "--cpu"]])
+def test_ctrl_c_at_any_point_exits_130_without_a_traceback(monkeypatch, capsys, command) -> None:
+    from megatron_zb import cli
+    from megatron_zb.training import arguments
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_plan", interrupted)
+    monkeypatch.setattr(arguments, "build_parser", interrupted)  # while the launcher is still parsing
+    assert main(command) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err

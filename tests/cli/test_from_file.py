@@ -89,6 +89,11 @@ def test_a_hand_written_json_needs_only_the_orders(capsys, tmp_path):
             '{"placement": ["linear"], "ranks": [[{"pass": "F", "stage": 0, "chunk": 1, "microbatch": 0}]]}',
             "bad.csv: rank 0 runs stage 0 on chunk 1, but the linear placement puts it on chunk 0",
         ),
+        (
+            '{"pp": 3, "ranks": [[{"pass": "F", "stage": 0, "microbatch": 0}], [{"pass": "F", "stage": 1, '
+            '"microbatch": 0}]]}',
+            'bad.csv: "pp" is 3 but "ranks" holds the orders of 2 ranks',
+        ),
     ],
 )
 def test_a_file_that_fails_validation_is_refused_with_the_validators_message(capsys, tmp_path, text, message):

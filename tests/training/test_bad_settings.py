@@ -24,6 +24,7 @@ from megatron_zb import pretrain_gpt
 from megatron_zb.megatron.args import schedule_settings
 from megatron_zb.training.arguments import parse
 
+P2P_RANGE = "--zero-bubble-p2p-timeout must be a finite number of seconds in [1, 86400], got "
 # A setting that runs: pp=2 on two --cpu processes, 4 microbatches of 2 samples.
 BASE = (
     "--cpu --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -104,15 +105,42 @@ CRASHED = {
     ),
     "p2p-timeout 0": (
         "--pipeline-schedule zb-1p --zero-bubble-p2p-timeout 0",
-        "--zero-bubble-p2p-timeout must be a finite number > 0, got 0.0",
+        P2P_RANGE + "0.0",
     ),
     "p2p-timeout -5": (
         "--pipeline-schedule zb-1p --zero-bubble-p2p-timeout -5",
-        "--zero-bubble-p2p-timeout must be a finite number > 0, got -5.0",
+        P2P_RANGE + "-5.0",
     ),
     "p2p-timeout nan": (
         "--pipeline-schedule zb-1p --zero-bubble-p2p-timeout nan",
-        "--zero-bubble-p2p-timeout must be a finite number > 0, got nan",
+        P2P_RANGE + "nan",
+    ),
+    "p2p-timeout 1e-9": ("--pipeline-schedule zb-1p --zero-bubble-p2p-timeout 1e-9", P2P_RANGE + "1e-09"),
+    "p2p-timeout 1e20": ("--pipeline-schedule zb-1p --zero-bubble-p2p-timeout 1e20", P2P_RANGE + "1e+20"),
+    "p2p-timeout past the distributed timeout": (
+        "--pipeline-schedule zb-1p --distributed-timeout-minutes 1 --zero-bubble-p2p-timeout 90",
+        "--zero-bubble-p2p-timeout 90 s is longer than --distributed-timeout-minutes 1 (60 s), which bounds every "
+        "wait: it may only shorten it",
+    ),
+    "distributed timeout 1e-9": (
+        "--distributed-timeout-minutes 1e-9",
+        "--distributed-timeout-minutes must be a finite number of minutes from 1 second to a day",
+    ),
+    "distributed timeout of a year": (
+        "--distributed-timeout-minutes 525600",
+        "--distributed-timeout-minutes must be a finite number of minutes from 1 second to a day (0.01667 to 1440), "
+        "got 525600.0",
+    ),
+    "distributed timeout nan": ("--distributed-timeout-minutes nan", "got nan: it bounds every wait"),
+    "in-place rollback with sgd": (
+        "--pipeline-schedule zb-1p --enable-optimizer-post-validation --optimizer-post-validation-rollback in-place "
+        "--optimizer sgd",
+        "--optimizer-post-validation-rollback in-place undoes a step by running Adam's update backwards; "
+        "--optimizer sgd has no such inverse: use --optimizer-post-validation-rollback exact",
+    ),
+    "virtual stages that do not split the layers": (
+        "--num-layers 4 --num-layers-per-virtual-pipeline-stage 3",
+        "--num-layers-per-virtual-pipeline-stage 3 does not split --num-layers 4 into pipeline size 2 x chunks",
     ),
     "zb-v at pp 1": (
         "--pipeline-model-parallel-size 1 --pipeline-schedule zb-v",
@@ -328,7 +356,7 @@ def test_schedule_settings_refuses_a_zero_micro_batch_without_dividing() -> None
     with pytest.raises(ValueError, match=r"--micro-batch-size must be at least 1 \(samples per microbatch\), got 0"):
         schedule_settings(namespace)
     namespace.micro_batch_size, namespace.zero_bubble_p2p_timeout = 2, math.inf
-    with pytest.raises(ValueError, match="--zero-bubble-p2p-timeout must be a finite number > 0, got inf"):
+    with pytest.raises(ValueError, match=r"--zero-bubble-p2p-timeout must be a finite number of seconds .*, got inf"):
         schedule_settings(namespace)
 
 
@@ -390,7 +418,13 @@ BAD = st.one_of(
     _as("--rotary-percent", NOT_FINITE | st.floats(max_value=0) | st.floats(min_value=1, exclude_min=True)),
     _as("--rope-scaling-factor", NOT_FINITE | st.floats(max_value=0)),
     _as("--norm-epsilon", NOT_FINITE | st.floats(max_value=0, exclude_max=True)),
-    _as("--zero-bubble-p2p-timeout", NOT_FINITE | st.floats(max_value=0), "--pipeline-schedule", "zb-1p"),
+    _as(
+        "--zero-bubble-p2p-timeout",
+        NOT_FINITE | st.floats(max_value=1, exclude_max=True) | st.floats(min_value=600, exclude_min=True),
+        "--pipeline-schedule",
+        "zb-1p",
+    ),
+    _as("--distributed-timeout-minutes", NOT_FINITE | st.floats(max_value=1 / 61) | st.floats(min_value=1441)),
     _as("--zero-bubble-memory-limit", NOT_FINITE | st.floats(max_value=0), "--pipeline-schedule", "zb-auto"),
 )
 
@@ -431,15 +465,19 @@ def test_parse_refuses_with_exit_2(capsys) -> None:
 MEGATRON_LM_ARGS = dict(
     pipeline_model_parallel_size=4, num_layers=16, micro_batch_size=1, global_batch_size=8, data_parallel_size=1,
     train_iters=20, zero_bubble_pipeline_timers_start_iter=100, zero_bubble_pipeline_timers_end_iter=110,
-    zero_bubble_v_schedule_mem_setup="zb", zero_bubble_p2p_timeout=600.0, enable_zero_bubble=True,
+    zero_bubble_v_schedule_mem_setup="zb", zero_bubble_p2p_timeout=None, enable_zero_bubble=True,
 )  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"zero_bubble_p2p_timeout": math.nan}, "--zero-bubble-p2p-timeout must be a finite number > 0, got nan"),
-        ({"zero_bubble_p2p_timeout": 0.0}, "--zero-bubble-p2p-timeout must be a finite number > 0, got 0.0"),
+        ({"zero_bubble_p2p_timeout": math.nan}, P2P_RANGE + "nan"),
+        ({"zero_bubble_p2p_timeout": 0.0}, P2P_RANGE + "0.0"),
+        (
+            {"zero_bubble_p2p_timeout": 700.0, "distributed_timeout_minutes": 10},
+            "--zero-bubble-p2p-timeout 700 s is longer than --distributed-timeout-minutes 10 (600 s)",
+        ),
         (
             {"enable_zero_bubble": False, "pipeline_schedule": "zb-auto", "zero_bubble_memory_limit": -math.inf},
             "--zero-bubble-memory-limit must be a finite number > 0, got -inf",
