@@ -80,14 +80,14 @@ def run(argv: Sequence[str]) -> int:
         own_providers = uses_own_providers()  # imports the checkout's megatron.training (or the installed one)
         try:
             world = _world_size(launch, rest)
-            additions = preflight.check(rest, world, own_providers)
+            checked = preflight.check(rest, world, own_providers)
         except ValueError as error:
             print(f"megatron-zb train: error: {error}", file=sys.stderr)
             return 2
-        for setting in additions:
+        for setting in checked.additions:
             value = setting.flag if setting.value is None else f"{setting.flag} {setting.value}"
             print(f"megatron-zb train: on CPU: {value} ({setting.why})", file=sys.stderr)
-        return _spawn_cpu(launch, [*rest, *preflight.setting_argv(additions)], world)
+        return _spawn_cpu(launch, [*rest, *preflight.setting_argv(checked.additions)], world, checked.timeout_s)
     pretrain_here(rest, launch.metrics_file)
     return 0
 
@@ -299,37 +299,45 @@ def cpu_argv(argv: Sequence[str]) -> list[str]:
     return [*argv, *preflight.setting_argv([s for s in preflight.CPU_SETTINGS if s.flag not in given])]
 
 
-def _spawn_cpu(launch: argparse.Namespace, worker_argv: Sequence[str], world: int) -> int:
-    return spawn_cpu(worker_argv, world, launch.metrics_file, launch.cpu_threads)
+def _spawn_cpu(launch: argparse.Namespace, worker_argv: Sequence[str], world: int, timeout_s: float) -> int:
+    return spawn_cpu(worker_argv, world, launch.metrics_file, launch.cpu_threads, timeout_s)
 
 
-def spawn_cpu(argv: Sequence[str], processes: int, metrics_file: str | None = None, threads: int = 1) -> int:
-    """Run ``pretrain()`` with ``argv`` on ``processes`` gloo ranks spawned here; 0, or 1 when a rank failed.
+def spawn_cpu(
+    argv: Sequence[str], processes: int, metrics_file: str | None = None, threads: int = 1, timeout_s: float = 600.0
+) -> int:
+    """Run ``pretrain()`` with ``argv`` on ``processes`` gloo ranks spawned and supervised here; the exit code.
 
-    ``argv`` is taken as checked and complete for the CPU (``preflight.check`` and its additions).
+    ``argv`` is taken as checked and complete for the CPU (``preflight.check`` and its additions);
+    ``timeout_s`` is its --distributed-timeout-minutes: every rank publishes its heartbeat, and a stalled rank
+    is named as for megatron-zb's own loop (``training.supervise``).
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    from .training.supervise import caught_signals, failure_of, supervise
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    try:
-        mp.spawn(
+    with caught_signals() as received:
+        context = mp.start_processes(
             _cpu_worker,
-            args=(processes, store.port, threads, list(argv), metrics_file, list(sys.path)),
+            args=(processes, store.port, threads, list(argv), metrics_file, list(sys.path), timeout_s),
             nprocs=processes,
-            join=True,
+            join=False,
         )
-    except mp.ProcessRaisedException as error:
-        print(f"megatron-zb train: a rank failed:\n{error}", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as error:
-        print(f"megatron-zb train: {error}", file=sys.stderr)
-        return 1
-    return 0
+        failure = lambda rank: failure_of(context, rank)  # noqa: E731
+        return supervise(context.processes, store, failure, received, timeout_s=timeout_s)
 
 
 def _cpu_worker(
-    rank: int, world: int, port: int, threads: int, argv: list[str], metrics_file: str | None, path: list[str]
+    rank: int,
+    world: int,
+    port: int,
+    threads: int,
+    argv: list[str],
+    metrics_file: str | None,
+    path: list[str],
+    timeout_s: float,
 ) -> None:
     sys.path[:] = path
     os.environ.update(
@@ -338,10 +346,14 @@ def _cpu_worker(
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     from . import megatron_lm_cpu
+    from .training.supervise import store_publisher
+    from .training.watchdog import RankWatchdog, heartbeat_interval
 
     torch.set_num_threads(threads)
     # Under torchrun the ranks' DataLoader workers fork; here the ranks were spawned, and spawning
@@ -352,14 +364,23 @@ def _cpu_worker(
     megatron_lm_cpu.set_environment()
     megatron_lm_cpu.enable()
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    publisher = dist.TCPStore("127.0.0.1", port, is_master=False)
+    watchdog = RankWatchdog(rank, timeout_s, store_publisher(publisher, rank), interval_s=heartbeat_interval(timeout_s))
+    watchdog.start()
+    error = None
     try:
         pretrain_here(argv, metrics_file)
     except SystemExit as stop:
         problem = early_exit_problem(stop.code, argv)
         if problem is not None:
-            raise RuntimeError(problem) from None
+            error = RuntimeError(problem)
+            raise error from None
+    except BaseException as failed:
+        error = failed
+        raise
     finally:
+        watchdog.stop(error)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -87,8 +87,14 @@ def setting_argv(settings: Sequence[CpuSetting]) -> list[str]:
     return [token for s in settings for token in ([s.flag] if s.value is None else [s.flag, s.value])]
 
 
-def check(argv: Sequence[str], processes: int, own_providers: bool) -> list[CpuSetting]:
-    """Refuse (ValueError) what a CPU launch of ``argv`` cannot run; the CPU settings to add, each with its reason."""
+@dataclass(frozen=True)
+class Checked:
+    additions: list[CpuSetting]  # the CPU settings to add, each with its reason
+    timeout_s: float  # the line's --distributed-timeout-minutes: every wait's bound
+
+
+def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
+    """Refuse (ValueError) what a CPU launch of ``argv`` cannot run; what to add, and the line's timeout."""
     from .megatron.args import add_args
 
     parser = megatron_lm_parser(add_args)
@@ -113,8 +119,8 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> list[CpuS
     if refusals:
         raise ValueError("; ".join(refusals))
     additions = cpu_additions(flags, parser)
-    validate(parser, [*argv, *setting_argv(additions)], processes)
-    return additions
+    validated = validate(parser, [*argv, *setting_argv(additions)], processes)
+    return Checked(additions, 60.0 * validated.distributed_timeout_minutes)
 
 
 def _gpu_only(dest: str, flags: Sequence[Given]) -> str | None:

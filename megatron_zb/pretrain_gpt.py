@@ -61,7 +61,7 @@ def _spawn_cpu(args: argparse.Namespace, worker: Callable | None = None) -> int:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from .training.watchdog import caught_signals, supervise
+    from .training.supervise import caught_signals, failure_of, supervise
 
     # The rendezvous store lives here for the whole run: its port cannot be taken meanwhile.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -69,21 +69,9 @@ def _spawn_cpu(args: argparse.Namespace, worker: Callable | None = None) -> int:
         context = mp.start_processes(
             worker or _cpu_worker, args=(args, store.port, list(sys.path)), nprocs=args.world_size, join=False
         )
-        return supervise(context.processes, store, lambda rank: _failure(context, rank), received)
-
-
-def _failure(context, rank: int) -> str:
-    """What rank ``rank`` of a ``torch.multiprocessing`` context died of: its traceback or its exit."""
-    import pickle
-    import signal
-
-    path, code = context.error_files[rank], context.processes[rank].exitcode
-    if os.access(path, os.R_OK):
-        with open(path, "rb") as file:
-            return f"rank {rank} failed:\n{pickle.load(file)}"
-    if code < 0:
-        return f"rank {rank} was ended by {signal.Signals(-code).name}"
-    return f"rank {rank} exited with code {code}"
+        failure = lambda rank: failure_of(context, rank)  # noqa: E731
+        timeout_s = distributed_timeout(args).total_seconds()
+        return supervise(context.processes, store, failure, received, timeout_s=timeout_s)
 
 
 def _cpu_worker(rank: int, args: argparse.Namespace, port: int, path: list[str]) -> None:
@@ -96,7 +84,7 @@ def _cpu_worker(rank: int, args: argparse.Namespace, port: int, path: list[str])
     import torch.distributed as dist
 
     from . import cpu
-    from .training.watchdog import store_publisher
+    from .training.supervise import store_publisher
 
     torch.set_num_threads(args.cpu_threads)
     cpu.enable()
@@ -163,7 +151,7 @@ def run_rank(args: argparse.Namespace, device, gloo: bool, publish: Callable[[di
     from .process_groups import destroy_model_parallel
     from .training.build import build, init_parallel
     from .training.loop import train
-    from .training.watchdog import RankWatchdog
+    from .training.watchdog import RankWatchdog, heartbeat_interval
 
     if dist.get_rank() == 0:
         _log_setup(args)
@@ -173,7 +161,7 @@ def run_rank(args: argparse.Namespace, device, gloo: bool, publish: Callable[[di
     try:
         trainee = build(args, device, gloo)
         timeout_s = distributed_timeout(args).total_seconds()
-        watchdog = RankWatchdog(dist.get_rank(), timeout_s, publish, interval_s=min(1.0, timeout_s / 10))
+        watchdog = RankWatchdog(dist.get_rank(), timeout_s, publish, interval_s=heartbeat_interval(timeout_s))
         watchdog.start()
         try:
             rows = train(args, trainee)

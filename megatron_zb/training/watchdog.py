@@ -1,29 +1,24 @@
-"""Named timeouts: which rank stalled, and what every other rank was waiting for.
+"""Named timeouts, the rank's side: what this rank runs and waits for, published on a clock of its own.
 
-Each rank runs a ``RankWatchdog``: it marks every torch.distributed collective as a wait (the
-runtime marks its P2P waits and passes in ``runtime.activity``) and a daemon thread publishes a
-small status record every ``interval_s``: the iteration, the pass, what the rank waits for and
-since when, where its main thread is, and when it last made progress (started a pass or finished
-a wait). With ``--cpu`` the records go to the launcher's store, and ``supervise`` (the launcher)
-watches them and the processes: once a rank fails on a timeout, or waits past its timeout, it
-prints one report naming the stalled rank (no progress while the others waited) and every
-waiting rank, then ends all ranks. Under torchrun there is no common parent: each rank logs its
-own record once it waits past the timeout (``publish=None``).
+Each rank runs a ``RankWatchdog``: it marks every torch.distributed collective and point-to-point wait
+as a wait (``CollectiveWatch``, ``P2PWatch``: megatron-core's own schedules included; megatron-zb's runtime
+marks its P2P waits and passes in ``runtime.activity`` itself) and a daemon thread publishes a small status
+record every ``interval_s``: a heartbeat count, the iteration (megatron-zb's loop or Megatron-LM's), the pass,
+what the rank waits for and since when, where its main thread is, and when it last made progress (started
+a pass or finished a wait). With ``--cpu`` the records go to the launcher's store, and the launcher
+(``supervise``) judges them on its own clock and names the stalled rank. Under torchrun there is no common
+parent: each rank logs its own record once it waits past the timeout (``publish=None``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing.connection
 import os
 import re
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -32,9 +27,16 @@ from .collectives import COLLECTIVES, CollectiveWrapper, group_ranks
 
 log = logging.getLogger("megatron_zb.watchdog")
 
-KEY = "megatron_zb/watchdog/{rank}"
-GRACE_S = 2.0  # the launcher acts on a wait this long past its timeout if the rank has not failed on it
-END_WAIT_S = 3.0  # SIGTERM, then SIGKILL after this long
+HEARTBEAT_S = 0.25  # how often a rank publishes: its last status is that fresh when it stops
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """The publishing interval for a run whose waits time out after ``timeout_s``."""
+    return min(HEARTBEAT_S, timeout_s / 10)
+
+
+# torch.distributed's point-to-point functions, which megatron-core's schedules call (names missing are skipped).
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 # megatron-core's groups, by the name its parallel_state getter gives them (first match wins).
 GROUP_GETTERS = (
@@ -87,6 +89,51 @@ class CollectiveWatch(CollectiveWrapper):
             return original(*args, **kwargs)
 
 
+class P2PWatch(CollectiveWrapper):
+    """Marks every point-to-point wait as a wait in ``activity``: blocking send/recv, and ``wait()`` of posted ones.
+
+    megatron-core's schedules post their transfers (``isend``/``irecv``/``batch_isend_irecv``) and wait on
+    the returned works later; the works come back wrapped (``WatchedWork``), so that their ``wait()`` is
+    seen with the peer it waits for.
+    """
+
+    marker = "_p2p_watch"
+
+    def __init__(self, timeout_s: float):
+        super().__init__(P2P_OPS)
+        self.timeout_s = timeout_s
+
+    def _call(self, op: str, original, bound: Callable[[], dict], args: tuple, kwargs: dict):
+        arguments = bound()
+        if op == "batch_isend_irecv":
+            transfers = arguments.get("p2p_op_list") or []
+            works = original(*args, **kwargs)
+            peers = tuple(sorted({int(t.peer) for t in transfers}))
+            what = f"P2P with ranks {', '.join(map(str, peers))} ({len(transfers)} transfers)"
+            return [WatchedWork(work, what, self.timeout_s, peers) for work in works]
+        peer = arguments.get("dst", arguments.get("src"))  # a global rank, as megatron-core passes it
+        peers = () if peer is None else (int(peer),)
+        what = f"{op.removeprefix('i')} {'to' if 'send' in op else 'from'} {f'rank {peer}' if peers else 'any rank'}"
+        if op in ("send", "recv"):
+            with activity.waiting(what, self.timeout_s, peers):
+                return original(*args, **kwargs)
+        return WatchedWork(original(*args, **kwargs), what, self.timeout_s, peers)
+
+
+class WatchedWork:
+    """A posted transfer whose ``wait()`` is marked as a wait; everything else is the work's own."""
+
+    def __init__(self, work, what: str, timeout_s: float, peers: tuple[int, ...]):
+        self._work, self._what, self._timeout_s, self._peers = work, what, timeout_s, peers
+
+    def wait(self, *args, **kwargs):
+        with activity.waiting(self._what, self._timeout_s, self._peers):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
 class RankWatchdog:
     """Publishes this rank's status every ``interval_s`` (``publish``), or logs it once past the timeout."""
 
@@ -95,6 +142,8 @@ class RankWatchdog:
     ):
         self.rank, self.timeout_s, self.publish, self.interval_s = rank, timeout_s, publish, interval_s
         self.collectives = CollectiveWatch(timeout_s, megatron_group_names())
+        self.transfers = P2PWatch(timeout_s)
+        self._beat = 0
         self._main = threading.get_ident()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"megatron-zb-watchdog-{rank}", daemon=True)
@@ -103,12 +152,16 @@ class RankWatchdog:
 
     def start(self) -> None:
         self.collectives.start()
+        self.transfers.start()
         self._thread.start()
 
     def stop(self, error: BaseException | None = None) -> None:
-        """Stop watching; the last record says whether the rank finished or failed (and on what)."""
+        """Stop watching; the last record says whether the rank finished or failed (and on what). Once only."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.collectives.stop()
+        self.transfers.stop()
         if self._thread.is_alive():
             self._thread.join()
         record = self.status()
@@ -127,10 +180,13 @@ class RankWatchdog:
         """This rank's record: plain JSON types, times from ``time.time()``."""
         frame = sys._current_frames().get(self._main)
         wait, failed = activity.wait, activity.failed
+        self._beat += 1
         record = {
             "rank": self.rank,
             "pid": os.getpid(),
+            "beat": self._beat,  # the launcher notes when this moves, on its own clock
             "time": time.time(),
+            "timeout_s": self.timeout_s,
             "iteration": _loop_iteration(frame),
             "pass": str(activity.current_pass) if _in_executor(frame) else None,
             "where": _where(frame),
@@ -166,16 +222,20 @@ def _wait_record(wait) -> dict:
 
 
 def _loop_iteration(frame) -> int | None:
-    """The training loop's ``iteration`` on the main thread's stack (None outside the loop)."""
-    from . import loop
-
-    code = loop.train.__code__
+    """The training loop's ``iteration`` on the main thread's stack: megatron-zb's or Megatron-LM's (else None)."""
+    loops = {_code_of("megatron_zb.training.loop"), _code_of("megatron.training.training")}
     while frame is not None:
-        if frame.f_code is code:
+        if frame.f_code in loops:
             value = frame.f_locals.get("iteration")
             return value if isinstance(value, int) else None
         frame = frame.f_back
     return None
+
+
+def _code_of(module: str):
+    """The code of ``module``'s ``train`` when the module is loaded (it is never imported here)."""
+    train = getattr(sys.modules.get(module), "train", None)
+    return getattr(train, "__code__", None)
 
 
 def _in_executor(frame) -> bool:
@@ -233,139 +293,3 @@ def describe(record: dict, now: float, stalled: bool = False) -> str:
     if record.get("failed"):
         text += "; " + re.sub(r"\[[^\]]*\] ", "", record["failed"]["error"])  # gloo's "[file.cc:78] "
     return text
-
-
-def is_waiting(record: dict) -> bool:
-    return record.get("wait") is not None or record.get("failed") is not None
-
-
-def timed_out(record: dict) -> bool:
-    """Whether this rank failed on a wait that reached its timeout."""
-    failed = record.get("failed")
-    if failed is None:
-        return False
-    text = failed["error"]
-    return "P2PTimeoutError" in text or "imed out" in text or record["time"] - failed["since"] >= failed["timeout_s"]
-
-
-def overdue(record: dict, now: float) -> bool:
-    wait = record.get("wait")
-    return wait is not None and now - wait["since"] > wait["timeout_s"] + GRACE_S
-
-
-def stalled_ranks(records: dict[int, dict], world_size: int, now: float) -> list[int]:
-    """Ranks that made no progress for at least half the waiters' timeout while not waiting themselves."""
-    waits = [r.get("failed") or r.get("wait") for r in records.values() if is_waiting(r)]
-    if not waits:
-        return []
-    threshold = 0.5 * min(w["timeout_s"] for w in waits)
-    return [
-        rank
-        for rank in range(world_size)
-        if rank not in records
-        or (
-            not is_waiting(records[rank])
-            and not records[rank].get("done")
-            and now - records[rank]["progress_time"] >= threshold
-        )
-    ]
-
-
-def timeout_report(records: dict[int, dict], world_size: int, now: float) -> str:
-    """The launcher's report: a headline naming the stalled rank(s), then one line per rank."""
-    stalled = stalled_ranks(records, world_size, now)
-    waiting = [rank for rank in sorted(records) if is_waiting(records[rank])]
-    if stalled:
-        names = ", ".join(map(str, stalled))
-        head = (
-            f"rank{'s' if len(stalled) > 1 else ''} {names} stalled: no progress while "
-            f"{len(waiting)} rank{'s' if len(waiting) != 1 else ''} waited for {'them' if len(stalled) > 1 else 'it'}"
-        )
-    else:
-        head = (
-            "every running rank is waiting: a message or collective call that no rank is going to make "
-            "(a lost message, or ranks in different collectives)"
-        )
-    lines = [f"megatron-zb train: timeout: {head}"]
-    for rank in range(world_size):
-        if rank not in records:
-            lines.append(f"  rank {rank}: STALLED, published no status (never reached training)")
-        else:
-            lines.append("  " + describe(records[rank], now, stalled=rank in stalled))
-    return "\n".join(lines)
-
-
-# -- the launcher's side ---------------------------------------------------------------------------
-
-
-def store_publisher(store: dist.Store, rank: int) -> Callable[[dict], None]:
-    key = KEY.format(rank=rank)
-    return lambda record: store.set(key, json.dumps(record))
-
-
-def read_records(store: dist.Store, world_size: int) -> dict[int, dict]:
-    records = {}
-    for rank in range(world_size):
-        key = KEY.format(rank=rank)
-        if store.check([key]):
-            records[rank] = json.loads(store.get(key))
-    return records
-
-
-@contextmanager
-def caught_signals(signals=(signal.SIGINT, signal.SIGTERM)):
-    """Record SIGINT/SIGTERM instead of raising; yields the list they are appended to."""
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in signals}
-    try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def end_processes(processes: list) -> None:
-    """SIGTERM every live process, SIGKILL what is left after END_WAIT_S."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + END_WAIT_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-def supervise(
-    processes: list, store: dist.Store, failure: Callable[[int], str], received: list[int], poll_s: float = 0.25
-) -> int:
-    """Wait for the ranks; on a timeout print the report, on a signal or failure end them all. Exit code.
-
-    ``received`` is the list ``caught_signals`` appends SIGINT/SIGTERM to (128 + the signal is returned).
-    """
-    world_size = len(processes)
-    while True:
-        if received:
-            end_processes(processes)
-            name = signal.Signals(received[0]).name
-            print(f"megatron-zb train: {name} received: ended all {world_size} ranks", file=sys.stderr)
-            return 128 + received[0]
-        live = [p.sentinel for p in processes if p.exitcode is None]
-        if not live and all(p.exitcode == 0 for p in processes):
-            return 0
-        multiprocessing.connection.wait(live, timeout=poll_s)
-        failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
-        records, now = read_records(store, world_size), time.time()
-        if any(timed_out(records[r]) for r in failed if r in records) or any(
-            overdue(record, now) for record in records.values()
-        ):
-            print(timeout_report(records, world_size, now), file=sys.stderr)
-            end_processes(processes)
-            print(f"megatron-zb train: ended all {world_size} ranks", file=sys.stderr)
-            return 1
-        if failed:
-            end_processes(processes)
-            print(f"megatron-zb train: {failure(failed[0])}", file=sys.stderr)
-            return 1

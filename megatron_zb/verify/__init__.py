@@ -169,7 +169,7 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
             raise ValueError(str(error)) from None
         for name, argv in (("reference", line.reference_argv), (line.schedule, line.argv)):
             try:
-                preflight.validate(parser, argv, line.processes)
+                timeout_s = 60.0 * preflight.validate(parser, argv, line.processes).distributed_timeout_minutes
             except ValueError as error:
                 raise ValueError(f"the scaled copy ({name} run): {error}") from None
         where = "megatron-zb's GPT providers on the installed megatron.training" if own else "your checkout's scripts"
@@ -182,9 +182,11 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
         print(line.table(), flush=True)
         tolerance = options.verify_tolerance if options.verify_tolerance is not None else TOLERANCE[line.precision]
         try:
-            reference, seconds = megatron_lm_runs.train(line.reference_argv, line.processes, "reference", Path(folder))
+            reference, seconds = megatron_lm_runs.train(
+                line.reference_argv, line.processes, "reference", Path(folder), timeout_s
+            )
             print(f"megatron-core's own schedule: trained in {seconds:.0f} s", flush=True)
-            theirs, seconds = megatron_lm_runs.train(line.argv, line.processes, "theirs", Path(folder))
+            theirs, seconds = megatron_lm_runs.train(line.argv, line.processes, "theirs", Path(folder), timeout_s)
             print(f"{line.schedule}: trained in {seconds:.0f} s", flush=True)
         except megatron_lm_runs.RunFailed as error:
             print(f"{PROG}: {error}", file=sys.stderr)

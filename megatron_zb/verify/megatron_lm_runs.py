@@ -21,14 +21,14 @@ class RunFailed(RuntimeError):
     """A run ended without training: its log's tail says why."""
 
 
-def train(argv: list[str], processes: int, name: str, folder: Path) -> tuple[Run, float]:
+def train(argv: list[str], processes: int, name: str, folder: Path, timeout_s: float) -> tuple[Run, float]:
     """Run ``pretrain()`` with ``argv`` (checked) on ``processes`` gloo processes; (what it logged, seconds)."""
     from ..megatron_lm import spawn_cpu
 
     metrics, log = folder / f"{name}.jsonl", folder / f"{name}.log"
     start = time.perf_counter()
     with _output_to(log):
-        code = spawn_cpu(argv, processes, str(metrics))
+        code = spawn_cpu(argv, processes, str(metrics), timeout_s=timeout_s)
     seconds = time.perf_counter() - start
     if code != 0 or not metrics.exists():
         raise RunFailed(f"the {name} run failed:\n{_tail(log)}")

@@ -29,6 +29,7 @@ HEAD_DIM = 8
 SEQUENCE = 32
 MOCK_VOCAB = 100
 FP16_START_SCALE = 2**12
+STALL_MINUTES = 5
 SAME_INIT = "--zero-bubble-placement-independent-init"
 # dest -> why a CPU run leaves the flag out (GPU-only features; the math around them runs as given)
 GPU_ONLY = {
@@ -452,6 +453,12 @@ def _cpu(scaler: Scaler) -> None:
             [str(FP16_START_SCALE)],
             "at a larger scale the few scaled iterations would all overflow and skip their step (a full-size run "
             "lowers the scale in its first steps); both runs start from it",
+        )
+    if scaler.args.distributed_timeout_minutes > STALL_MINUTES:
+        scaler.set(
+            "--distributed-timeout-minutes",
+            [str(STALL_MINUTES)],
+            f"a stalled scaled run is named within {STALL_MINUTES} minutes (its steps take well under a second)",
         )
     if _virtual_chunks(scaler.args) > 1 and scaler.knows("--no-overlap-p2p-communication"):
         scaler.set(

@@ -224,6 +224,34 @@ def all_skipped() -> str:
     return report(compare(run, run, 1e-5), run, run, "zb-v", 1e-5)
 
 
+def manifest_refusal(what: str, value) -> str:
+    """check_before_spawn on a checkpoint written as save_checkpoint writes it, with one thing changed."""
+    import tempfile
+
+    from megatron_zb.testing.checkpoint_folder import RANK_FILE, run_args, save
+    from megatron_zb.training.manifest import check_before_spawn
+
+    folder = Path(tempfile.mkdtemp())
+    written = save(folder, run_args(folder))
+    if what == "flip":
+        (written / RANK_FILE).write_bytes(b"x" + (written / RANK_FILE).read_bytes()[1:])
+        return raised(lambda: check_before_spawn(run_args(folder)))
+    if what == "load":
+        (folder / "model.pt").write_bytes(b"x")
+        value = str(folder / "model.pt")
+    return raised(lambda: check_before_spawn(run_args(folder, **{what: value})))
+
+
+def planner_json_pp(pp: int) -> str:
+    import json
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "two.json"
+    orders = [[{"pass": "F", "stage": stage, "microbatch": 0}] for stage in (0, 1)]
+    path.write_text(json.dumps({"pp": pp, "ranks": orders}))
+    return planner("plan", "--from-file", str(path))
+
+
 def wrong_chunk_count(_monkeypatch) -> str:
     pytest.importorskip("torch")
     from megatron_zb.runtime.forward_backward import ForwardBackward
@@ -368,6 +396,21 @@ CASES = [
         "6 processes do not split into tensor (1) x pipeline (4) groups; use a multiple of 4",
         lambda _: train("--cpu-procs 6"),
     ),
+    (
+        "--distributed-timeout-minutes must be a finite number of minutes from 1 second to a day",
+        lambda _: train("--distributed-timeout-minutes 1e-9"),
+    ),
+    (
+        "s is longer than --distributed-timeout-minutes",
+        lambda _: train("--pipeline-schedule zb-1p --distributed-timeout-minutes 1 --zero-bubble-p2p-timeout 90"),
+    ),
+    (
+        "--optimizer-post-validation-rollback in-place undoes a step by running Adam's update backwards",
+        lambda _: train(
+            "--pipeline-schedule zb-1p --enable-optimizer-post-validation --optimizer-post-validation-rollback "
+            "in-place --optimizer sgd"
+        ),
+    ),
     ("--cpu-procs needs --cpu", lambda _: _no_cpu("--cpu-procs 4")),
     ("--cpu-procs must be at least 1", lambda _: train("--cpu-procs -4")),
     ("--data-path and --mock-data are exclusive", lambda _: train("--data-path corpus_text_document")),
@@ -397,6 +440,11 @@ CASES = [
     ),
     ("megatron_zb.cpu.enable() is for CPU-only runs; CUDA is available here", cuda_visible),
     ("resume with the same parallel sizes, chunk count and optimizer kind", checkpoint_layout),
+    ("holds a model of another shape", lambda _: manifest_refusal("hidden_size", 64)),
+    ("holds the state of --optimizer adam", lambda _: manifest_refusal("optimizer", "sgd")),
+    ("is a file; give the checkpoint folder", lambda _: manifest_refusal("load", "file")),
+    ("does not match its sha256 in manifest.json", lambda _: manifest_refusal("flip", None)),
+    ("this run needs at least", lambda _: train("--vocab-size 1000000000000")),
     # --megatron-lm
     (
         "zb-v places its layer blocks itself (v placement: rank 0 holds layer blocks 0 and 7 of 8)",
@@ -426,6 +474,11 @@ CASES = [
     ("--costs-from costs.json: not a megatron-zb costs file", planner_with_costs(valid=False)),
     ("--pp 8: --costs-from costs.json was measured at pipeline size 4", planner_with_costs("--pp", "8")),
     ("--cost-f and --costs-from costs.json both give times", planner_with_costs("--cost-f", "2")),
+    (
+        "plan and compare take at most 786,432",
+        lambda _: planner("plan", "--schedule", "zb-v", "--pp", "4096", "--microbatches", "8192"),
+    ),
+    ('"pp" is 3 but "ranks" holds the orders of 2 ranks', lambda _: planner_json_pp(3)),
     # runtime
     ("schedule zb-v runs 2 model chunk(s) per rank, got 1", wrong_chunk_count),
     (

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_zb.training.watchdog import describe, stalled_ranks, timeout_report
+from megatron_zb.training.supervise import stalled_ranks, timeout_report
+from megatron_zb.training.watchdog import describe
 
 TIMEOUT_S = 4.0
 END_S = TIMEOUT_S + 40  # the stall lasts 120 s: a run ending by then was ended by the watchdog
@@ -176,3 +177,33 @@ def test_report_names_the_rank_without_progress_not_the_first_to_time_out() -> N
     busy = record(1, 99.9)
     assert describe(busy, 100.0) == "rank 1: busy, iteration 7"
     assert stalled_ranks({**records, 1: busy}, 3, now=100.0) == []
+
+
+def test_a_silent_heartbeat_names_the_rank_that_went_quiet_first_whatever_its_last_record_says() -> None:
+    """SIGSTOP stops the heartbeat thread too: the last record may even show a wait; the launcher's clock decides."""
+    from megatron_zb.training.supervise import Heartbeats
+
+    wait = {"what": "recv from rank 1", "since": 95.0, "timeout_s": 5.0, "peers": [1]}
+    records = {
+        0: record(0, 95.0, wait, beat=40),
+        1: record(1, 94.0, {**wait, "what": "P2P with ranks 0, 2 (2 transfers)"}, beat=31, **{"pass": "B s1 mb2"}),
+        2: record(2, 95.0, {**wait, "what": "recv from rank 1"}, beat=12),
+    }
+    beats = Heartbeats(quiet_s=2.0, frozen_s=60.0)
+    beats.update(records, now=1000.0)
+    records[0]["beat"], records[2]["beat"] = 41, 13  # ranks 0 and 2 beat on; rank 1 does not
+    beats.update(records, now=1007.0)
+    assert beats.quiet(records, now=1007.0) == {}, "a silent but running rank counts only after the timeout"
+    assert beats.quiet(records, now=1068.0) == {0: 1007.0, 1: 1000.0, 2: 1007.0}  # all frozen: rank 1 went first
+    quiet = beats.quiet(records, now=1007.0, stopped={1})  # the OS says rank 1's process is stopped
+    assert quiet == {1: 1000.0}
+    assert stalled_ranks(records, 3, now=101.0, quiet=quiet) == [1]
+    report = timeout_report(records, 3, now=101.0, quiet=quiet, clock=1007.0).splitlines()
+    assert report[0] == (
+        "megatron-zb train: timeout: rank 1 stalled: its heartbeat stopped 7.0 s ago (the launcher's clock: the "
+        "process is stopped or frozen) while 2 ranks waited; last seen: waiting in P2P with ranks 0, 2 (2 transfers), "
+        "iteration 7, B s1 mb2"
+    )
+    assert report[2].startswith("  rank 1: STALLED, silent for 7.0 s; last seen: waiting in P2P")
+    records[1]["done"] = True  # a rank that finished stops beating without stalling
+    assert beats.quiet(records, now=1007.0, stopped={1}) == {}
