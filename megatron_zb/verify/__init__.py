@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import scale
 from .verdict import TOLERANCE, check_tolerance, compare, report
 
 PROG = "megatron-zb verify"
@@ -132,55 +133,27 @@ def _own_loop(options: argparse.Namespace, user: list[str], inject: int | None) 
 
 
 def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
-    from .. import megatron_lm_preflight as preflight
-    from ..megatron.args import add_args, schedule_settings
+    from ..megatron.args import add_args
     from ..megatron_lm import uses_own_providers
-    from ..megatron_lm_flags import given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
-    from ..megatron_lm_script import refused_features
-    from . import megatron_lm_runs, scale
+    from ..megatron_lm_flags import megatron_lm_parser, megatron_lm_version
+    from . import megatron_lm_runs
 
     parser = megatron_lm_parser(add_args)
     if parser is None:
         raise ValueError("--verify-loop megatron-lm needs Megatron-LM's megatron.training (megatron-core >= 0.17, or "
                          "a checkout with --megatron-lm PATH)")  # fmt: skip
-    version = megatron_lm_version()
-    flags, stray = given_flags(parser, user)
-    problem = refuse_unknown(flags, stray, f"Megatron-LM {version}'s pretrain_gpt")
-    if problem:
-        raise ValueError(problem)
-    args = preflight.parse_line(parser, user)
     own = uses_own_providers()
-    if own and refused_features(args):
-        raise ValueError(
-            f"{', '.join(refused_features(args))}: megatron-zb's GPT providers (used without a Megatron-LM checkout) "
-            "do not implement this; give your checkout with --megatron-lm PATH"
-        )
-    try:
-        scale.refuse(args)
-        processes = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-        preflight.validate(parser, scale.on_cpu(parser, flags, args), processes)
-    except ValueError as error:
-        raise ValueError(LINE_REFUSED.format(error=error)) from None
     with tempfile.TemporaryDirectory(prefix="megatron-zb-verify-") as folder:
         limits = scale.Limits(options.verify_iters, options.verify_data_parallel, Path(folder))
-        try:
-            line = scale.scale(parser, flags, args, limits, schedule_settings)
-        except scale.Refused as error:
-            raise ValueError(str(error)) from None
-        for name, argv in (("reference", line.reference_argv), (line.schedule, line.argv)):
-            try:
-                timeout_s = 60.0 * preflight.validate(parser, argv, line.processes).distributed_timeout_minutes
-            except ValueError as error:
-                raise ValueError(f"the scaled copy ({name} run): {error}") from None
+        line, timeout_s = _scaled_line(parser, user, limits, own)
         where = "megatron-zb's GPT providers on the installed megatron.training" if own else "your checkout's scripts"
         print(
-            f"{PROG}: {line.schedule} against megatron-core's own schedule, through Megatron-LM {version}'s "
-            f"pretrain() ({where}), {line.processes} gloo processes, {options.verify_iters} iterations, "
-            f"{line.precision}; your line, scaled down:",
+            f"{PROG}: {line.schedule} against megatron-core's own schedule, through Megatron-LM "
+            f"{megatron_lm_version()}'s pretrain() ({where}), {line.processes} gloo processes, "
+            f"{options.verify_iters} iterations, {line.precision}; your line, scaled down:",
             flush=True,
         )
         print(line.table(), flush=True)
-        tolerance = options.verify_tolerance if options.verify_tolerance is not None else TOLERANCE[line.precision]
         try:
             reference, seconds = megatron_lm_runs.train(
                 line.reference_argv, line.processes, "reference", Path(folder), timeout_s
@@ -191,6 +164,42 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
         except megatron_lm_runs.RunFailed as error:
             print(f"{PROG}: {error}", file=sys.stderr)
             return 1
+    tolerance = options.verify_tolerance if options.verify_tolerance is not None else TOLERANCE[line.precision]
     verdict = compare(reference, theirs, tolerance)
     print(report(verdict, reference, theirs, line.schedule, tolerance))
     return 0 if verdict.passed else 1
+
+
+def _scaled_line(parser, user: list[str], limits, own_providers: bool):
+    """(the scaled line, its timeout in seconds): read, refused, validated at full size, scaled, validated again."""
+    from .. import megatron_lm_preflight as preflight
+    from ..megatron.args import schedule_settings
+    from ..megatron_lm_flags import given_flags, megatron_lm_version, refuse_unknown
+    from ..megatron_lm_script import refused_features
+
+    flags, stray = given_flags(parser, user)
+    problem = refuse_unknown(flags, stray, f"Megatron-LM {megatron_lm_version()}'s pretrain_gpt")
+    if problem:
+        raise ValueError(problem)
+    args = preflight.parse_line(parser, user)
+    if own_providers and refused_features(args):
+        raise ValueError(
+            f"{', '.join(refused_features(args))}: megatron-zb's GPT providers (used without a Megatron-LM checkout) "
+            "do not implement this; give your checkout with --megatron-lm PATH"
+        )
+    try:
+        scale.refuse(args)
+        processes = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+        preflight.validate(parser, scale.on_cpu(parser, flags, args), processes)
+    except ValueError as error:
+        raise ValueError(LINE_REFUSED.format(error=error)) from None
+    try:
+        line = scale.scale(parser, flags, args, limits, schedule_settings)
+    except scale.Refused as error:
+        raise ValueError(str(error)) from None
+    for name, argv in (("reference", line.reference_argv), (line.schedule, line.argv)):
+        try:
+            minutes = preflight.validate(parser, argv, line.processes).distributed_timeout_minutes
+        except ValueError as error:
+            raise ValueError(f"the scaled copy ({name} run): {error}") from None
+    return line, 60.0 * minutes
