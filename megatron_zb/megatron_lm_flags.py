@@ -11,7 +11,9 @@ and rewrite the line, instead of letting a flag pass unseen.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,8 +23,11 @@ _NUMBER = re.compile(r"^-\d|^-\.\d")
 
 def megatron_lm_parser(*extra: ExtraArgs) -> argparse.ArgumentParser | None:
     """Megatron-LM's pretrain_gpt parser with ``extra`` flags added; None where ``megatron.training`` is missing."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found", on import
     try:
-        from megatron.training import arguments
+        with warnings.catch_warnings():  # "Apex is not installed" and the like: the ranks say it if it matters
+            warnings.simplefilter("ignore")
+            from megatron.training import arguments
     except ImportError:
         return None
     parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
