@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..schedule import CostModel, Schedule, ScheduleError, simulate
+from ..schedule import CostModel, Schedule, ScheduleError, schedule_from_data, schedule_to_data, simulate
 from ..schedule.costs_file import MeasuredCosts, save_costs
-from ..schedule.ir import parse_orders
 from .profiler import PassProfiler, add_sums, agreed_cost_model, stage_sums
 
 log = logging.getLogger("megatron_zb.replan")
@@ -123,11 +122,8 @@ class Replanner:
         if dist.get_rank() == 0:
             payload = [self._decide(current, planned_costs, plan, costs)]
         dist.broadcast_object_list(payload, src=0, device=_object_device(self.profiler.device))
-        report, (name, text) = payload[0]
-        if text is None:
-            chosen = current
-        else:
-            chosen = Schedule(name, current.placements, current.microbatches, parse_orders(text))
+        report, data = payload[0]
+        chosen = current if data is None else schedule_from_data(data)  # whole: BitPipe's ``shared`` too
         self.report = report
         if dist.get_rank() == 0:
             _announce(report.message())
@@ -145,7 +141,7 @@ class Replanner:
             candidate = plan(costs)
         except ScheduleError as error:
             reason = f"planning with them failed ({error})"
-            return _kept(fields, before.bubble_rate, reason), (current.name, None)
+            return _kept(fields, before.bubble_rate, reason), None
         after = simulate(candidate, costs)
         if candidate.placements != current.placements:
             reason = (
@@ -153,17 +149,17 @@ class Replanner:
                 f"with {candidate.chunks} chunk(s) per rank, and the model is built for {current.placement.kind} "
                 f"with {current.chunks}; restart with that schedule to use it"
             )
-            return _kept(fields, before.bubble_rate, reason, candidate.name, after.bubble_rate), (current.name, None)
+            return _kept(fields, before.bubble_rate, reason, candidate.name, after.bubble_rate), None
         if (after.stage_span, after.makespan) >= (before.stage_span * (1 - 1e-9), before.makespan * (1 - 1e-9)):
             reason = (
                 f"planning with them predicts {after.bubble_rate:.1%} bubble, not below the current plan's "
                 f"{before.bubble_rate:.1%}"
             )
-            return _kept(fields, before.bubble_rate, reason, candidate.name, after.bubble_rate), (current.name, None)
+            return _kept(fields, before.bubble_rate, reason, candidate.name, after.bubble_rate), None
         report = ReplanReport(
             **fields, new=candidate.name, old_bubble=before.bubble_rate, new_bubble=after.bubble_rate, replaced=True
         )
-        return report, (candidate.name, candidate.to_text())
+        return report, schedule_to_data(candidate)
 
     def _save(self, costs: CostModel, current: Schedule, report: ReplanReport, memory_limit: float | None) -> None:
         measured = MeasuredCosts(

@@ -5,6 +5,7 @@ from .costs import CostModel
 from .ir import Pass, PassKind, Schedule, ScheduleError
 from .iterations import IterationsTimeline, simulate_iterations
 from .registry import ScheduleSpec, build, names, register
+from .serialise import schedule_from_data, schedule_to_data
 from .simulate import Timeline, simulate
 from .validate import check, validate
 
@@ -23,6 +24,8 @@ __all__ = [
     "names",
     "program",
     "register",
+    "schedule_from_data",
+    "schedule_to_data",
     "simulate",
     "simulate_iterations",
     "validate",

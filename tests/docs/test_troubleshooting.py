@@ -263,9 +263,9 @@ def wrong_chunk_count(_monkeypatch) -> str:
 def runtime_config(**config):
     def trigger(_monkeypatch) -> str:
         pytest.importorskip("torch")
-        from megatron_zb.runtime.forward_backward import _refuse_unsupported
+        from megatron_zb.runtime.megatron_contract import refuse_unsupported
 
-        return raised(lambda: _refuse_unsupported(SimpleNamespace(**config)))
+        return raised(lambda: refuse_unsupported(SimpleNamespace(**config)))
 
     return trigger
 

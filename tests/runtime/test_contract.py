@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from megatron_zb import cpu
-from megatron_zb.runtime.forward_backward import _per_chunk_iterators, _refuse_unsupported
+from megatron_zb.runtime.megatron_contract import per_chunk_iterators, refuse_unsupported
 
 
 def test_one_iterator_per_chunk():
-    assert _per_chunk_iterators("it", 1) == ["it"]
+    assert per_chunk_iterators("it", 1) == ["it"]
     with pytest.raises(ValueError, match="2 model chunks need a list of 2 data iterators"):
-        _per_chunk_iterators("it", 2)
+        per_chunk_iterators("it", 2)
     with pytest.raises(ValueError, match="got 3 data iterators for 2 model chunks"):
-        _per_chunk_iterators(["a", "b", "c"], 2)
+        per_chunk_iterators(["a", "b", "c"], 2)
 
 
 @pytest.mark.parametrize(
@@ -30,8 +30,8 @@ def test_one_iterator_per_chunk():
 def test_unsupported_config_is_refused(setting, message):
     config = SimpleNamespace(**setting)
     with pytest.raises(ValueError, match=message):
-        _refuse_unsupported(config)
-    _refuse_unsupported(SimpleNamespace())  # nothing set: accepted
+        refuse_unsupported(config)
+    refuse_unsupported(SimpleNamespace())  # nothing set: accepted
 
 
 def test_cpu_shims_refuse_a_gpu_machine(monkeypatch):
