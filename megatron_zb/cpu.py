@@ -3,20 +3,25 @@
 megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` as a device,
 ``device="cuda"`` tensors in the optimizer and the schedules, ``.cuda()`` copies,
 ``Tensor.type()`` checks, a CUDA RNG tracker). ``enable()`` maps all of them to the CPU.
-It is applied only when asked, and refuses to run where CUDA is available.
+It is applied only when asked, and refuses to run where CUDA is available. Every change is
+recorded in ``megatron_zb.megatron.patching`` (scope ``cpu``), the function mode included, and
+``disable()`` undoes it: torch and megatron-core are then as they were found.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .megatron import patching
+
 _CPU = torch.device("cpu")
 _lock = threading.Lock()
-_enabled = False
+_mode = None  # the registry's entry for the function mode: in force while enabled
 
 
 def _is_cuda(device: object) -> bool:
@@ -63,22 +68,39 @@ def _cuda_type_names(original):
 
 
 def enable() -> None:
-    """Make megatron-core usable on CPU in this process (idempotent). Never on a GPU machine."""
-    global _enabled
+    """Make megatron-core usable on CPU in this process (idempotent). Never on a GPU machine.
+
+    The function mode that maps CUDA devices to the CPU is entered on this thread (torch keeps a
+    mode stack per thread), and ``disable()`` must run on it too.
+    """
+    global _mode
     if torch.cuda.is_available():
         raise RuntimeError("megatron_zb.cpu.enable() is for CPU-only runs; CUDA is available here")
+    from megatron.core.tensor_parallel import random
+
     with _lock:
-        if _enabled:
+        if is_enabled():
             return
-        torch.cuda.current_device = lambda: _CPU
-        torch.cuda.synchronize = lambda *args, **kwargs: None
-        torch.cuda.empty_cache = lambda: None
+        cuda = torch.cuda
+        patching.replace(cuda, "current_device", lambda: _CPU, patching.CPU)
+        patching.replace(cuda, "synchronize", lambda *args, **kwargs: None, patching.CPU)
+        patching.replace(cuda, "empty_cache", lambda: None, patching.CPU)
         # megatron-core 0.19's DDP start_grad_sync waits on the current stream's events: CPU's no-op stream.
-        torch.cuda.current_stream = torch.cpu.current_stream
-        torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
-        _CudaToCpu().__enter__()
-        _enabled = True
+        patching.replace(cuda, "current_stream", torch.cpu.current_stream, patching.CPU)
+        patching.replace(torch.Tensor, "type", _cuda_type_names(torch.Tensor.type), patching.CPU)
+        _mode = patching.enter_mode(_CudaToCpu(), patching.CPU)
+        for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
+            patching.remember(random, name, patching.CPU)  # reset below and on every model-parallel seed
     reset_rng_tracker()
+
+
+def disable() -> None:
+    """Undo ``enable()`` (and ``megatron_lm_cpu.enable()``, which builds on it): torch and megatron-core as found."""
+    megatron_lm_cpu = sys.modules.get("megatron_zb.megatron_lm_cpu")
+    if megatron_lm_cpu is not None:
+        megatron_lm_cpu.disable_own()
+    with _lock:
+        patching.undo(patching.CPU)
 
 
 def reset_rng_tracker() -> None:
@@ -89,4 +111,4 @@ def reset_rng_tracker() -> None:
 
 
 def is_enabled() -> bool:
-    return _enabled
+    return _mode is not None and patching.in_force(_mode)

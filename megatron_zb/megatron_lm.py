@@ -95,18 +95,26 @@ def run(argv: Sequence[str]) -> int:
 def pretrain_here(argv: Sequence[str], metrics_file: str | None = None) -> None:
     """Run Megatron-LM's pretrain() in this process (torch.distributed set up by it, or already)."""
     script = _pretrain_gpt_module()
-    from megatron.core.enums import ModelType
     from megatron.training import training
 
     from .megatron.install import install
 
     install()
     check_flags_before_init()
-    if metrics_file:
-        _write_metrics(training, metrics_file)
+    try:
+        if metrics_file:
+            _write_metrics(training, metrics_file)
+        _pretrain(script, training, argv)
+    finally:
+        patching.undo(patching.MEGATRON_LM)  # the metrics hook is this run's
+
+
+def _pretrain(script, training, argv: Sequence[str]) -> None:
+    from megatron.core.enums import ModelType
+
     sys.argv = [getattr(script, "__file__", "pretrain_gpt.py"), *argv]
     datasets = script.train_valid_test_datasets_provider
-    datasets.is_distributed = True  # as pretrain_gpt.py's __main__ sets it
+    patching.replace(datasets, "is_distributed", True, patching.MEGATRON_LM)  # as pretrain_gpt.py's __main__ sets it
     extra = {}
     if getattr(script, "get_embedding_ranks", None) is not None:
         extra["get_embedding_ranks"] = script.get_embedding_ranks
@@ -210,7 +218,7 @@ def check_flags_before_init() -> None:
     for module in modules:
         validate_args = getattr(module, "validate_args", None)
         if validate_args is not None and not getattr(validate_args, "megatron_zb_checked", False):
-            patching.replace(module, "validate_args", _checked(validate_args))
+            patching.replace(module, "validate_args", _checked(validate_args), patching.MEGATRON)
 
 
 def _checked(validate_args):
@@ -244,7 +252,10 @@ def check_zero_bubble(args: argparse.Namespace) -> None:
 
 
 def _write_metrics(training, path: str) -> None:
-    """``--metrics-file``: one JSON line per iteration from Megatron-LM's ``training_log`` (logging rank only)."""
+    """``--metrics-file``: one JSON line per iteration from Megatron-LM's ``training_log`` (logging rank only).
+
+    Recorded under the ``megatron-lm`` scope, which ``pretrain_here`` undoes when its run returns.
+    """
     original = training.training_log
     if getattr(original, "megatron_zb_metrics", False):
         return
@@ -275,7 +286,7 @@ def _write_metrics(training, path: str) -> None:
         return original(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
 
     training_log.megatron_zb_metrics = True
-    training.training_log = training_log
+    patching.replace(training, "training_log", training_log, patching.MEGATRON_LM)
 
 
 def _world_size(launch: argparse.Namespace, argv: Sequence[str]) -> int:

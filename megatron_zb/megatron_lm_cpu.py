@@ -17,7 +17,9 @@ assume a GPU in a few more places, each shimmed here to what a CPU process would
   parallelism is on: architecture 0 (no GPU), so it asks for ``CUDA_DEVICE_MAX_CONNECTIONS=1``
   as on a pre-Blackwell GPU; the CPU launcher sets it.
 
-``enable()`` is idempotent and, like ``megatron_zb.cpu.enable()``, refuses a machine with CUDA.
+``enable()`` is idempotent and, like ``megatron_zb.cpu.enable()``, refuses a machine with CUDA. Every
+change is recorded in ``megatron_zb.megatron.patching`` (scope ``megatron-lm-cpu``); ``disable()`` undoes
+it and ``megatron_zb.cpu``'s shims: torch, megatron-core and Megatron-LM are then as they were found.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ import threading
 
 import torch
 
+from .megatron import patching
+
 _lock = threading.Lock()
-_enabled = False
+_SCOPE = patching.MEGATRON_LM_CPU
+_first = None  # enable()'s first entry: in force while enabled (no_gpu_architecture() alone records too)
 # The one state the no-op RNG tracker reports on CPU (it forks nothing; see _cpu_model_parallel_seed).
 CPU_TRACKER_STATE = "megatron-zb-cpu-no-op"
 
@@ -86,36 +91,51 @@ _DEFAULT_STREAM = _Stream()
 
 def enable() -> None:
     """Let Megatron-LM's initialize and training loop run on CPU in this process (idempotent)."""
-    global _enabled
+    global _first
     from . import cpu
 
     cpu.enable()
     with _lock:
-        if _enabled:
+        if is_enabled():
             return
-        _torch_cuda()
+        _first = _torch_cuda()
         _megatron_lm()
-        _enabled = True
 
 
-def _torch_cuda() -> None:
-    cuda = torch.cuda
-    cuda.device_count = lambda: 1
-    cuda.set_device = lambda device: None
-    cuda.Stream = _Stream
-    cuda.Event = _Event
-    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
-    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
-    cuda.set_stream = lambda stream: None
-    cuda.get_rng_state = lambda device=None: torch.empty(0, dtype=torch.uint8)
-    cuda.set_rng_state = lambda state, device=None: None
-    cuda.manual_seed = lambda seed: None
-    cuda.manual_seed_all = lambda seed: None
+def disable() -> None:
+    """Undo ``enable()``, ``megatron_zb.cpu``'s shims included."""
+    from . import cpu
+
+    cpu.disable()  # undoes this module's scope first
+
+
+def disable_own() -> None:
+    """Undo this module's changes only (``megatron_zb.cpu.disable()`` calls it before undoing its own)."""
+    with _lock:
+        patching.undo(_SCOPE)
+
+
+def _torch_cuda() -> patching.Patch:
+    shims = {
+        "device_count": lambda: 1,
+        "set_device": lambda device: None,
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda device=None: _DEFAULT_STREAM,
+        "default_stream": lambda device=None: _DEFAULT_STREAM,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "set_stream": lambda stream: None,
+        "get_rng_state": lambda device=None: torch.empty(0, dtype=torch.uint8),
+        "set_rng_state": lambda state, device=None: None,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "memory_stats": lambda device=None: _ZeroStats(),
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
-        setattr(cuda, name, lambda device=None: 0)
-    cuda.memory_stats = lambda device=None: _ZeroStats()
-    cuda.reset_peak_memory_stats = lambda device=None: None
+        shims[name] = lambda device=None: 0
+    patches = [patching.replace(torch.cuda, name, shim, _SCOPE) for name, shim in shims.items()]
+    return patches[0]
 
 
 class _ZeroStats(dict):
@@ -126,29 +146,30 @@ class _ZeroStats(dict):
 def _megatron_lm() -> None:
     from megatron.core import tensor_parallel
 
-    seed = _cpu_model_parallel_seed(tensor_parallel.model_parallel_cuda_manual_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed = seed
+    original = tensor_parallel.model_parallel_cuda_manual_seed
+    seed = _cpu_model_parallel_seed(original)
+    owners = [tensor_parallel]
     with contextlib.suppress(ImportError):
         from megatron.core.tensor_parallel import random
 
-        random.model_parallel_cuda_manual_seed = seed
+        owners.append(random)
+    initialize = importlib.import_module("megatron.training.initialize")
+    owners.append(initialize)  # it calls the name it bound, where it bound one
+    for owner in owners:
+        if getattr(owner, "model_parallel_cuda_manual_seed", None) is original:
+            patching.replace(owner, "model_parallel_cuda_manual_seed", seed, _SCOPE)
     from megatron.core.datasets import utils as dataset_utils
 
-    dataset_utils.compile_helpers = compile_dataset_helpers
-    initialize = importlib.import_module("megatron.training.initialize")
+    patching.replace(dataset_utils, "compile_helpers", compile_dataset_helpers, _SCOPE)
     for module in (initialize, importlib.import_module("megatron.training.training")):
         original = getattr(module, "initialize_megatron", None)
-        if original is not None:
-            module.initialize_megatron = _without_cuda(original)
-    if hasattr(initialize, "model_parallel_cuda_manual_seed"):
-        initialize.model_parallel_cuda_manual_seed = seed
-    if getattr(initialize, "tensor_parallel", None) is tensor_parallel:
-        pass  # initialize calls tensor_parallel.model_parallel_cuda_manual_seed, patched above
+        if original is not None and not getattr(original, "megatron_zb_cpu", False):
+            patching.replace(module, "initialize_megatron", _without_cuda(original), _SCOPE)
     no_gpu_architecture()
     with contextlib.suppress(ImportError):
         from megatron.legacy import fused_kernels
 
-        fused_kernels.load = lambda args: None
+        patching.replace(fused_kernels, "load", lambda args: None, _SCOPE)
 
 
 def set_environment() -> None:
@@ -161,14 +182,15 @@ def set_environment() -> None:
 
 
 def no_gpu_architecture() -> None:
-    """Megatron-LM's ``get_device_arch_version()`` (utils, bound in arguments) answers 0: no GPU here."""
+    """Megatron-LM's ``get_device_arch_version()`` (utils, bound in arguments) answers 0: no GPU here.
+
+    Recorded under ``megatron-lm-cpu`` (the launcher's preflight calls it alone): ``disable()`` undoes it.
+    """
     utils = importlib.import_module("megatron.training.utils")
     original = getattr(utils, "get_device_arch_version", None)
     if original is None:
         return
-    for module in list(sys.modules.values()):
-        if module is not None and getattr(module, "get_device_arch_version", None) is original:
-            module.get_device_arch_version = _architecture_0
+    patching.replace_everywhere(original, _architecture_0, "get_device_arch_version", _SCOPE)
 
 
 def _architecture_0() -> int:
@@ -238,4 +260,4 @@ def compile_dataset_helpers() -> None:
 
 
 def is_enabled() -> bool:
-    return _enabled
+    return _first is not None and patching.in_force(_first)

@@ -12,11 +12,11 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..checks import check_zero_bubble_numbers, refuse_zero_bubble_settings, wait_timeout_s
 from ..schedule import Schedule, ScheduleError, ScheduleSpec, names
 from ..schedule.placement import Placement
-from ..schedule.registry import get
+from ..schedule.registry import get, with_option
 from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
-from ..training.checks import check_zero_bubble_numbers, refuse_zero_bubble_settings, wait_timeout_s
 from .layer_split import layers_per_block
 
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
@@ -119,8 +119,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="M",
-        help="per-rank activation memory limit of the automatic schedules (zb-auto, v-auto, auto), in one "
-        "microbatch's activations of a full stage (1F1B needs the pipeline size)",
+        help=f"per-rank activation memory limit of the automatic schedules ({', '.join(with_option('memory_limit'))}), "
+        "in one microbatch's activations of a full stage (1F1B needs the pipeline size)",
     )
     group.add_argument(
         "--breadth-first-micro-batches",
@@ -207,7 +207,7 @@ class ZeroBubbleSettings:
     memory_limit: float | None
     chunks: int | None
     microbatches: int
-    placement: Placement
+    placements: tuple[Placement, ...]  # every pipe's (BitPipe: two), as Schedule.placements
     pad_layers: bool
     timers: tuple[int, int] | None  # the re-planning window, None when re-planning is off
     costs_file: str | None
@@ -215,8 +215,12 @@ class ZeroBubbleSettings:
     post_validation_rollback: str
     p2p_timeout_s: float
     breadth_first_microbatches: int | None = None  # breadth-first families: microbatches per group
-    placements: tuple[Placement, ...] = ()  # every pipe's (BitPipe: two); () means (placement,)
     shared: tuple = ()  # blocks kept twice (Schedule.shared)
+
+    @property
+    def placement(self) -> Placement:
+        """The first pipe's placement (the only one but for BitPipe), as Schedule.placement."""
+        return self.placements[0]
 
 
 def enabled(args: argparse.Namespace) -> bool:
@@ -276,7 +280,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         memory_limit=memory_limit,
         chunks=chunks,  # as asked: an automatic choice re-planned at run time must pick the same family
         microbatches=microbatches,
-        placement=schedule.placement,
+        placements=schedule.placements,
         pad_layers=pad,
         timers=_replan_window(args),
         costs_file=getattr(args, "zero_bubble_save_costs", None),
@@ -284,7 +288,6 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         post_validation_rollback=getattr(args, "optimizer_post_validation_rollback", "exact"),
         p2p_timeout_s=wait_timeout_s(args),
         breadth_first_microbatches=group,
-        placements=schedule.placements,
         shared=schedule.shared,
     )
 
@@ -419,9 +422,10 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
             f"--pipeline-schedule {implied}"
         )
     name = chosen or implied
-    if limit is not None and name not in ("zb-auto", "v-auto", "auto", "bitpipe-zb"):
+    planned = with_option("memory_limit")  # the schedules that plan under a limit (the registry's options)
+    if limit is not None and name not in planned:
         raise ValueError(
-            f"--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto, bitpipe-zb), "
+            f"--zero-bubble-memory-limit applies to the automatic schedules ({', '.join(planned)}), "
             f"not to {name}; drop it or choose one of those"
         )
     return name, limit
@@ -512,7 +516,8 @@ def _refuse_zero_bubble_only_flags(args: argparse.Namespace) -> None:
     if getattr(args, "zero_bubble_max_pending_backward", None) is not None:
         raise ValueError("--zero-bubble-max-pending-backward needs --enable-zero-bubble")
     if getattr(args, "zero_bubble_memory_limit", None) is not None:
-        raise ValueError("--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto")
+        *others, last = with_option("memory_limit")
+        raise ValueError(f"--zero-bubble-memory-limit needs --pipeline-schedule {', '.join(others)} or {last}")
     if getattr(args, "zero_bubble_v_schedule_mem_setup", "zb") != "zb":
         raise ValueError("--zero-bubble-v-schedule-mem-setup needs --zero-bubble-v-schedule")
     for flag in ("breadth_first_micro_batches", "depth_first_micro_batches"):

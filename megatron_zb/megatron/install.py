@@ -8,7 +8,8 @@ later bind ours: import order does not matter. Ours returns megatron-core's own 
 unless zero bubble is enabled, either by ``configure(settings)`` or by Megatron-LM's parsed
 arguments carrying our flags (``add_args`` as ``extra_args_provider``). ``install()`` also hooks
 megatron-core and Megatron-LM where a placement megatron does not build itself (the V) needs it
-(``placement_hooks``); ``uninstall()`` undoes every replacement.
+(``placement_hooks``). Every replacement is recorded in ``patching`` under its ``megatron`` scope, with
+the runtime's B/W split of megatron-core's linears; ``uninstall()`` undoes that scope.
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ def install() -> None:
 
     if _original is None:
         _original = schedules.get_forward_backward_func
-    for module in list(sys.modules.values()):
-        if getattr(module, "get_forward_backward_func", None) is _original:
-            module.get_forward_backward_func = get_forward_backward_func
+    patching.replace_everywhere(_original, get_forward_backward_func, "get_forward_backward_func", patching.MEGATRON)
     hook_training_loop(active_settings)  # optimizer post-validation in Megatron-LM's train_step
     placement_hooks.install()
     from . import norms  # imports torch: only once installing
@@ -51,19 +50,14 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put megatron-core's function back everywhere ours was bound, and undo every other hook.
+    """Undo the ``megatron`` scope: megatron-core's function back everywhere ours was bound, every other hook.
 
-    The runners go too: each holds its latest model, optimizer backend and process groups.
+    Modules imported since that bound ours get megatron-core's too. The runners go: each holds its
+    latest model, optimizer backend and process groups.
     """
-    patching.undo()
+    patching.undo(patching.MEGATRON)
     _from_args.clear()
     _runners.clear()
-    if _original is None:
-        return
-    ours, this = get_forward_backward_func, sys.modules[__name__]
-    for module in list(sys.modules.values()):
-        if module is not this and getattr(module, "get_forward_backward_func", None) is ours:
-            module.get_forward_backward_func = _original
 
 
 def installed() -> bool:

@@ -22,30 +22,39 @@ from ..compat import signature_of
 from .wgrad import accumulate, active_store
 
 _lock = threading.Lock()
+_patch = None  # the registry's entry (scope ``megatron``: megatron_zb.uninstall() undoes it too)
 _original = None
 _signature = None  # the original's, to bind the arguments of whichever version is loaded
 
 
 def install() -> None:
-    """Patch megatron-core's linear function (idempotent)."""
-    global _original, _signature
+    """Patch megatron-core's linear function (idempotent; again after an undo), recorded in ``patching``."""
+    global _patch, _original, _signature
     from megatron.core.tensor_parallel import layers
 
+    from ..megatron import patching
+
     with _lock:
-        if _original is None:
-            _original = layers.linear_with_grad_accumulation_and_async_allreduce
-            _signature = signature_of(_original)
-            layers.linear_with_grad_accumulation_and_async_allreduce = splittable_linear
+        if _patch is not None and patching.in_force(_patch):
+            return
+        original = layers.linear_with_grad_accumulation_and_async_allreduce
+        if original is splittable_linear:
+            return  # ours already (put back by someone's undo that ran out of order): keep the original we hold
+        _original, _signature = original, signature_of(original)
+        _patch = patching.replace(
+            layers, "linear_with_grad_accumulation_and_async_allreduce", splittable_linear, patching.MEGATRON
+        )
 
 
 def uninstall() -> None:
-    global _original, _signature
-    from megatron.core.tensor_parallel import layers
+    """Put megatron-core's function back (``megatron_zb.uninstall()`` does it too)."""
+    global _patch
+    from ..megatron import patching
 
     with _lock:
-        if _original is not None:
-            layers.linear_with_grad_accumulation_and_async_allreduce = _original
-            _original = _signature = None
+        if _patch is not None:
+            patching.revert(_patch)
+            _patch = None
 
 
 def splittable_linear(*args, **kwargs) -> torch.Tensor:

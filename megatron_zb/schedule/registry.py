@@ -47,11 +47,17 @@ class Generator:
     summary: str
     generate: Callable[[ScheduleSpec], Schedule] = field(compare=False)
     composite: bool = False  # picks among the other schedules (``auto``); skipped when listing alternatives
-    options: frozenset[str] = frozenset()  # optional ScheduleSpec fields it reads (a flag for others has no effect)
+    # optional ScheduleSpec fields it plans with (a flag for others has no effect): "breadth_first_microbatches",
+    # "memory_limit" (it plans under the limit; every other schedule is only refused when it does not fit)
+    options: frozenset[str] = frozenset()
     weight_copies: int = 1  # copies of the model's weights per rank, against 1F1B's one (BitPipe: 2)
 
 
 _GENERATORS: dict[str, Generator] = {}
+# Options of built-in generators that their register() calls do not name yet, added when they load; each
+# belongs in its generator's ``@register(options=...)``, and this table goes once they all say it there.
+_UNDECLARED_OPTIONS = {"memory_limit": ("zb-auto", "v-auto", "auto", "bitpipe-zb")}
+_built_in_options_added = False
 
 
 def register(
@@ -67,12 +73,25 @@ def register(
 
 
 def _load() -> None:
+    global _built_in_options_added
     from . import generators  # noqa: F401  (registers the built-in generators)
+
+    if not _built_in_options_added:
+        for option, taking in _UNDECLARED_OPTIONS.items():
+            for name in taking:
+                generator = _GENERATORS[name]
+                _GENERATORS[name] = replace(generator, options=generator.options | {option})
+        _built_in_options_added = True
 
 
 def names() -> list[str]:
     _load()
     return sorted(_GENERATORS)
+
+
+def with_option(option: str) -> list[str]:
+    """The schedules whose generators plan with ``option`` (a ScheduleSpec field), by name."""
+    return [name for name in names() if option in _GENERATORS[name].options]
 
 
 def get(name: str) -> Generator:

@@ -273,8 +273,8 @@ def derive_and_check(args: argparse.Namespace) -> list[str]:
     if args.cpu:  # the processes start here: their memory is this machine's
         memory_fit.check_fits(args, args.data_parallel_size)
     args.zero_bubble = schedule_settings(args)
-    args.placement = placement_of(args)
-    args.placements = args.zero_bubble.placements if args.zero_bubble is not None else (args.placement,)
+    args.placements = args.zero_bubble.placements if args.zero_bubble is not None else (placement_of(args),)
+    args.placement = args.placements[0]  # a Namespace holds values, not properties: the first pipe's, set here only
     checks.check_placement(args)
     checks.check_zero3(args)
     checks.check_replan_window(args)

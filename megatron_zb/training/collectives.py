@@ -6,7 +6,9 @@ times (the ``PassProfiler``'s clock, so both lie on one axis). It replaces the a
 ``torch.distributed`` (how megatron-core calls them), of ``torch.distributed.distributed_c10d``
 (where one collective calls another: only the outermost call is recorded) and the module-level
 aliases megatron-core takes at import (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``),
-and puts every one back on ``stop()``.
+and puts every one back on ``stop()``: each replacement is recorded in ``megatron_zb.megatron.patching``
+under the wrapper's own scope, and wrappers stacked on each other (a recorder on the watchdog's) put the
+originals back exactly in whichever order they stop.
 
 Times are host times: on a GPU a call returns once the kernel is queued, so a caller that
 wants device times synchronises around what it records. An ``async_op=True`` call is recorded
@@ -18,6 +20,7 @@ seen: point-to-point ops (send, recv, batch_isend_irecv), functional collectives
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import threading
 import time
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ..megatron import patching
 from ..runtime.profiler import PassRecord
 from ..schedule.ir import PassKind
 
@@ -40,6 +44,7 @@ COLLECTIVES = (
     "_reduce_scatter_base",
 )  # fmt: skip
 MODULES = (dist, c10d)
+_wrapper_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,11 @@ class CollectiveWrapper:
     thread reaches it (``all_gather_object`` calling ``all_gather`` is one call). Wrappers of
     different subclasses stack (a recorder inside the watchdog); two active ones of one class
     are refused. ``marker`` names the attribute that ties a wrapper function to its owner.
+
+    Each wrapper records its replacements in ``patching`` under a scope of its own
+    (``collectives:<class>#<n>``): its lifetime is one run, started and stopped here, which no
+    ``megatron_zb.uninstall()`` or ``cpu.disable()`` may cut short; the registry still lists what
+    it holds replaced, and puts back what it found.
     """
 
     marker = "_collective_wrapper"
@@ -76,7 +86,8 @@ class CollectiveWrapper:
     def __init__(self, ops: Iterable[str] = COLLECTIVES, alias_prefixes: tuple[str, ...] = ("megatron.",)):
         self.ops = tuple(op for op in ops if hasattr(dist, op))
         self.alias_prefixes = alias_prefixes
-        self._saved: list[tuple[object, str, object]] = []  # (module, attribute, original), to restore
+        self.scope = f"collectives:{type(self).__name__}#{next(_wrapper_ids)}"
+        self._saved: list[patching.Patch] = []  # the registry's entries, while active
         self._local = threading.local()  # call depth per thread: only outermost calls reach _call
 
     @property
@@ -97,14 +108,20 @@ class CollectiveWrapper:
             for attribute, value in list(vars(module).items()):
                 wrapper = wrappers.get(id(value))
                 if wrapper is not None and value is wrapper.__wrapped__:
-                    self._saved.append((module, attribute, value))
-                    setattr(module, attribute, wrapper)
+                    self._saved.append(patching.replace(module, attribute, wrapper, self.scope))
 
     def stop(self) -> None:
-        """Put back every attribute ``start()`` replaced (a no-op when not active)."""
-        for module, attribute, original in reversed(self._saved):
-            setattr(module, attribute, original)
-        self._saved = []
+        """Put back every attribute ``start()`` replaced (a no-op when not active).
+
+        A wrapper started after this one wraps its wrappers: it is stopped first (a recorder left
+        running when a run fails stops with the watchdog), so every attribute ends as found.
+        """
+        saved, self._saved = self._saved, []
+        for patch in saved:
+            above = getattr(getattr(patch.owner, patch.name, None), "_collective_owner", None)
+            if above is not None and above is not self and above.active:
+                above.stop()
+        patching.undo(self.scope)
 
     def _alias_modules(self) -> list:
         return [
@@ -134,6 +151,7 @@ class CollectiveWrapper:
         wrapped.__name__ = wrapped.__qualname__ = op
         wrapped.__doc__ = original.__doc__
         setattr(wrapped, self.marker, self)
+        wrapped._collective_owner = self  # whichever subclass: what stop() finds stacked on its own
         return wrapped
 
 

@@ -313,12 +313,12 @@ CASES = [
         ),
     ),
     (
-        "--zero-bubble-memory-limit applies to the automatic schedules (zb-auto, v-auto, auto, bitpipe-zb), "
+        "--zero-bubble-memory-limit applies to the automatic schedules (auto, bitpipe-zb, v-auto, zb-auto), "
         "not to zb-1p",
         lambda _: train("--enable-zero-bubble --zero-bubble-memory-limit 6"),
     ),
     (
-        "--zero-bubble-memory-limit needs --pipeline-schedule zb-auto, v-auto or auto",
+        "--zero-bubble-memory-limit needs --pipeline-schedule auto, bitpipe-zb, v-auto or zb-auto",
         lambda _: train("--zero-bubble-memory-limit 6"),
     ),
     (

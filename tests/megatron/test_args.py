@@ -167,7 +167,7 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         ("--trace-file t.json", ["--trace-file", "--pipeline-schedule 1f1b"]),
         ("--num-experts 4", ["--num-experts", "dense"]),
         ("--context-parallel-size 2 --cpu-procs 8", ["--context-parallel-size"]),
-        ("--zero-bubble-memory-limit 3", ["needs --pipeline-schedule zb-auto, v-auto or auto"]),
+        ("--zero-bubble-memory-limit 3", ["needs --pipeline-schedule auto, bitpipe-zb, v-auto or zb-auto"]),
         ("--save-interval 5", ["--save"]),
     ],
 )

@@ -123,7 +123,7 @@ def test_only_the_latest_settings_keep_a_runner_and_uninstall_drops_it() -> None
     from megatron_zb.schedule.placement import Placement
 
     linear = Placement(kind="linear", pp=2, chunks=1, blocks=((0, 0), (1, 0)))
-    first = ZeroBubbleSettings("zb-1p", None, None, 4, linear, False, None, None, False, "exact", 60.0)
+    first = ZeroBubbleSettings("zb-1p", None, None, 4, (linear,), False, None, None, False, "exact", 60.0)
     second = dataclasses.replace(first, schedule="zb-2p")
     try:
         runner = install.runner_for(first)
