@@ -54,10 +54,6 @@ class Generator:
 
 
 _GENERATORS: dict[str, Generator] = {}
-# Options of built-in generators that their register() calls do not name yet, added when they load; each
-# belongs in its generator's ``@register(options=...)``, and this table goes once they all say it there.
-_UNDECLARED_OPTIONS = {"memory_limit": ("zb-auto", "v-auto", "auto", "bitpipe-zb")}
-_built_in_options_added = False
 
 
 def register(
@@ -73,15 +69,7 @@ def register(
 
 
 def _load() -> None:
-    global _built_in_options_added
     from . import generators  # noqa: F401  (registers the built-in generators)
-
-    if not _built_in_options_added:
-        for option, taking in _UNDECLARED_OPTIONS.items():
-            for name in taking:
-                generator = _GENERATORS[name]
-                _GENERATORS[name] = replace(generator, options=generator.options | {option})
-        _built_in_options_added = True
 
 
 def names() -> list[str]:

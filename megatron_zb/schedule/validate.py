@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .actions import spec
 from .costs import CostModel
@@ -17,6 +18,7 @@ from .deps import Role, inputs, order_inputs, roles
 from .execute import DeadlockError, execute
 from .ir import Pass, PassKind, Schedule, ScheduleError
 from .simulate import memory_levels
+from .timing import ROLES, Encoding, Model, run
 
 MEMORY_TOLERANCE = 1e-9
 MAX_REPORTED = 12
@@ -56,72 +58,47 @@ def _full_issues(schedule: Schedule) -> list[Issue]:
     return issues
 
 
-_ROLE_CODES = {PassKind.F: 0, PassKind.B: 1, PassKind.W: 2, PassKind.BW: 3}  # BW plays B (1) and W (2)
-
-
 def _runs_clean(schedule: Schedule) -> bool:
     """Whether a schedule of compute passes only has no issue but memory, on integer codes.
 
     True only where ``_full_issues`` finds none: every pass in range and on its rank, each
     (role, stage, microbatch) once with each microbatch on one pipe, and the orders run to the
-    end (which rules out a pass before its input on its own rank, and deadlocks). False sends
-    the schedule down the full path, which names the issues.
+    end in the timing model with zero costs (which rules out a pass before its input on its own
+    rank, and deadlocks). False sends the schedule down the full path, which names the issues.
     """
     m, placements = schedule.microbatches, schedule.placements
+    model = _zero_model(placements, m)
+    kind_of, writes, base, blocks = model.encoding.kinds, model.writes, model.encoding.base, model.encoding.blocks
+    owner = [placements[pipe].rank_of(stage) for pipe, stage in model.encoding.where]
     stages = [placement.num_stages for placement in placements]
-    base = [sum(stages[:pipe]) for pipe in range(len(placements))]
-    owner = [rank for placement in placements for rank, _ in placement.blocks]
     pipe_of = [-1] * m
-    seen = [bytearray(sum(stages) * m) for _ in range(3)]
-    coded: list[list[tuple[int, int, bool]]] = []
+    seen = bytearray(model.roles)
+    coded: list[list[int]] = []
     for rank, order in enumerate(schedule.orders):
         row = []
         for p in order:
-            role, stage, mb, pipe = _ROLE_CODES.get(p.kind), p.stage, p.microbatch, p.pipe
-            if role is None or not (0 <= pipe < len(placements) and 0 <= mb < m and 0 <= stage < stages[pipe]):
+            kind, stage, mb, pipe = kind_of.get(p.kind), p.stage, p.microbatch, p.pipe
+            if kind is None or not (0 <= pipe < len(stages) and 0 <= mb < m and 0 <= stage < stages[pipe]):
                 return False
-            if owner[base[pipe] + stage] != rank or pipe_of[mb] not in (-1, pipe):
+            block = base[pipe] + stage
+            if owner[block] != rank or pipe_of[mb] not in (-1, pipe):
                 return False
             pipe_of[mb] = pipe
-            index = (base[pipe] + stage) * m + mb
-            for one in (1, 2) if role == 3 else (role,):
-                if seen[one][index]:
+            index = kind * blocks + block
+            for role in writes[index]:
+                if seen[role + mb]:
                     return False
-                seen[one][index] = 1
-            # F: whether it has no input (first block); B: whether it needs no next B (last block)
-            row.append((role, index, stage == 0 if role == 0 else stage == stages[pipe] - 1))
+                seen[role + mb] = 1
+            row.append(index * m + mb)
         coded.append(row)
-    if -1 in pipe_of or sum(3 * stages[pipe] for pipe in pipe_of) != sum(map(sum, seen)):
+    if -1 in pipe_of or sum(len(ROLES) * placements[pipe].num_stages for pipe in pipe_of) != sum(seen):
         return False  # a role is missing
-    return _runs_to_the_end(coded, m, len(seen[0]))
+    return run(model, coded) is not None
 
 
-def _runs_to_the_end(coded: list[list[tuple[int, int, bool]]], m: int, size: int) -> bool:
-    """Walk every rank's coded order, each pass once its inputs are done, until none can go on."""
-    done_f, done_b = bytearray(size), bytearray(size + m)
-    at = [0] * len(coded)
-    progress = True
-    while progress:
-        progress = False
-        for rank, row in enumerate(coded):
-            i, end = at[rank], len(row)
-            while i < end:
-                role, index, edge = row[i]
-                if role == 0:
-                    if not (edge or done_f[index - m]):
-                        break
-                    done_f[index] = 1
-                elif role == 2:
-                    if not done_b[index]:
-                        break
-                elif done_f[index] and (edge or done_b[index + m]):
-                    done_b[index] = 1
-                else:
-                    break
-                i += 1
-            if i > at[rank]:
-                at[rank], progress = i, True
-    return all(i == len(row) for i, row in zip(at, coded, strict=True))
+@lru_cache(maxsize=16)
+def _zero_model(placements: tuple, microbatches: int) -> Model:
+    return Model(Encoding(placements, microbatches))
 
 
 def check(schedule: Schedule, costs: CostModel | None = None, memory_limit: float | None = None) -> None:
@@ -182,7 +159,7 @@ def _coverage_issues(schedule: Schedule) -> list[Issue]:
         pipe = pipe_of.get(mb, 0)
         for stage in range(schedule.num_stages(pipe)):
             rank = schedule.placements[pipe].rank_of(stage)
-            for kind in "FBW":
+            for kind in ROLES:
                 role = Role(kind, pipe, stage, mb)
                 if count[role] == 0:
                     issues.append(Issue("missing", f"missing {role}: rank {rank} never runs it", rank))

@@ -208,7 +208,16 @@ def test_auto_ranks_by_what_sets_the_iteration_time(post_validation):
             continue
         key = (other.stage_span, other.makespan) if post_validation else (other.makespan, other.stage_span)
         peak = round(max(other.peak_memory), 9)
-        best.append((round(key[0], 9), round(key[1], 9), peak, messages(other.schedule), name.endswith("-auto"), name))
+        best.append(
+            (
+                round(key[0], 9),
+                round(key[1], 9),
+                peak,
+                messages(other.schedule.placements, 12),
+                name.endswith("-auto"),
+                name,
+            )
+        )
         if post_validation:
             assert found.stage_span <= other.stage_span + 1e-9, name
         else:

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedule.costs import CostModel
-from megatron_zb.schedule.generators.result import Result
-from megatron_zb.schedule.generators.timing import timed
+from megatron_zb.schedule.generators.result import Result, timed
 from megatron_zb.schedule.generators.torch_style import interleaved_zb_orders, zbv_orders
 from megatron_zb.schedule.generators.v_blocks import all_blocks, block_offsets
 from megatron_zb.schedule.generators.v_family import v_half_offsets, v_min_offsets

@@ -1,14 +1,10 @@
-"""Built-in generators; importing this package registers them."""
+"""Built-in generators: importing this package imports each of its modules, which registers them.
 
-from . import (  # noqa: F401
-    auto,
-    bitpipe,
-    breadth_first,
-    interleaved,
-    one_f_one_b,
-    v_auto,
-    v_family,
-    zb_auto,
-    zb_h1,
-    zb_h2,
-)
+A new schedule family is one module here: its ``@register``ed generator, usually a ``search.Recipe``.
+"""
+
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -13,30 +13,26 @@ candidates: their memory is not what the activation limit measures; name them to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 from ..ir import Schedule, ScheduleError
+from ..placement import Placement
 from ..registry import ScheduleSpec, build, get, names, register
-from ..simulate import simulate
-from .search import score
+from .result import Result, timed_schedule
+from .search import Recipe, plan
 
 
-def messages(schedule: Schedule) -> int:
+def messages(placements: tuple[Placement, ...], microbatches: int) -> int:
     """Cross-rank transfers per iteration: an activation and a gradient per microbatch and rank boundary."""
     crossings = 0
-    for placement in schedule.placements:
+    for placement in placements:
         crossings += sum(placement.rank_of(s) != placement.rank_of(s + 1) for s in range(placement.num_stages - 1))
-    return 2 * crossings * schedule.microbatches
+    return 2 * crossings * microbatches
 
 
-@register(
-    "auto",
-    "the best schedule of all families under --memory-limit (by makespan; stage span with --post-validation)",
-    composite=True,
-)
-def generate(spec: ScheduleSpec) -> Schedule:
-    costs = spec.cost_model()
-    best, best_score, refusals = None, None, []
+def _families(spec: ScheduleSpec, refusals: list[str]) -> Iterator[Result]:
+    """Every family that keeps one copy of the weights, as built at ``spec`` (its refusal noted instead)."""
     for name in names():
         if get(name).composite or get(name).weight_copies > 1:
             continue
@@ -45,18 +41,35 @@ def generate(spec: ScheduleSpec) -> Schedule:
         except ScheduleError as error:
             refusals.append(f"  {name}: {str(error).splitlines()[0]}")
             continue
-        candidate = score(simulate(schedule, costs))
-        if not spec.post_validation:
-            candidate = (candidate[1], candidate[0], candidate[2])
+        yield timed_schedule(schedule, spec.cost_model())
+
+
+@register(
+    "auto",
+    "the best schedule of all families under --memory-limit (by makespan; stage span with --post-validation)",
+    composite=True,
+    options=("memory_limit",),
+)
+def generate(spec: ScheduleSpec) -> Schedule:
+    refusals: list[str] = []
+
+    def rank(result: Result) -> tuple:
+        span, makespan, peak = result.score()
+        first = (span, makespan) if spec.post_validation else (makespan, span)
         # on a tie: fewer messages, then the named family over the searches that include it
         # (v-auto holds zb-v, zb-auto holds zb-2p)
-        candidate = (*candidate, messages(schedule), name.endswith("-auto"))
-        if best_score is None or candidate < best_score:
-            best, best_score = schedule, candidate
-    if best is None:
-        raise ScheduleError("auto: no schedule can run this setting:\n" + "\n".join(refusals))
-    if spec.refine_seconds > 0:
-        from ..refine import refine
+        crossings = messages(result.encoding.placements, result.microbatches)
+        return (*first, peak, crossings, result.label.endswith("-auto"))
 
-        best = refine(best, costs, spec.memory_limit, spec.refine_seconds)
-    return replace(best, name=f"auto ({best.name})")
+    return plan(
+        Recipe(
+            "auto",
+            spec,
+            (),
+            spec.memory_limit,
+            seeds=(lambda: _families(spec, refusals),),
+            rank=rank,
+            title=lambda result: f"auto ({result.label})",
+            refusal=lambda: "auto: no schedule can run this setting:\n" + "\n".join(refusals),
+        )
+    )

@@ -25,15 +25,12 @@ times exactly like ``bitpipe``: never worse.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 
-from ..costs import CostModel
-from ..ir import F, Pass, PassKind, Schedule, ScheduleError, W
-from ..placement import mirrored, v_shape
+from ..ir import BW, F, Pass, Schedule, ScheduleError
+from ..placement import Placement, mirrored, v_shape
 from ..registry import ScheduleSpec, register
-from ..simulate import simulate
-
-EPS = 1e-9
+from .moves import fill_idle, split_backward
+from .search import Move, Recipe, plan
 
 
 def check_setting(name: str, spec: ScheduleSpec) -> None:
@@ -78,15 +75,14 @@ def _chunk_sequence(p: int, m: int, rank: int, backward: bool) -> list[int]:
     return loop * (m // p)
 
 
-def rank_order(p: int, m: int, rank: int, backward_kind: PassKind) -> list[Pass]:
+def rank_order(p: int, m: int, rank: int) -> list[Pass]:
     """The reference's execution order of one rank: warm-up, loops of 1F1B with drain and refill, cool-down."""
     queues_f, queues_b = _queues(p, m, rank), _queues(p, m, rank)
     forwards = deque(
         F(stage, mb, pipe) for pipe, stage, mb in (queues_f[c].pop(0) for c in _chunk_sequence(p, m, rank, False))
     )
     backwards = deque(
-        Pass(backward_kind, stage, mb, pipe)
-        for pipe, stage, mb in (queues_b[c].pop(0) for c in _chunk_sequence(p, m, rank, True))
+        BW(stage, mb, pipe) for pipe, stage, mb in (queues_b[c].pop(0) for c in _chunk_sequence(p, m, rank, True))
     )
     total = 2 * m
     warm = min(p + p // 2 + min(rank, p - 1 - rank), total)
@@ -107,11 +103,13 @@ def rank_order(p: int, m: int, rank: int, backward_kind: PassKind) -> list[Pass]
     return order
 
 
-def _bidirectional(name: str, spec: ScheduleSpec, orders) -> Schedule:
+def _placements(spec: ScheduleSpec) -> tuple[Placement, Placement]:
     down = v_shape(spec.pp, 2)
-    blocks = down.num_stages
-    shared = tuple(((0, block), (1, block)) for block in range(blocks))
-    return Schedule(name, (down, mirrored(down)), spec.microbatches, tuple(map(tuple, orders)), shared)
+    return down, mirrored(down)
+
+
+def _shared(spec: ScheduleSpec) -> tuple:
+    return tuple(((0, block), (1, block)) for block in range(2 * spec.pp))
 
 
 @register(
@@ -122,71 +120,31 @@ def _bidirectional(name: str, spec: ScheduleSpec, orders) -> Schedule:
 def generate(spec: ScheduleSpec) -> Schedule:
     check_setting("bitpipe", spec)
     p, m = spec.pp, spec.microbatches
-    return _bidirectional("bitpipe", spec, [rank_order(p, m, r, PassKind.BW) for r in range(p)])
+    orders = tuple(tuple(rank_order(p, m, r)) for r in range(p))
+    return Schedule("bitpipe", _placements(spec), m, orders, _shared(spec))
 
 
 @register(
     "bitpipe-zb",
     "BitPipe with the backward split, Ws in its idle time under --memory-limit; never worse",
+    options=("memory_limit",),
     weight_copies=2,
 )
 def generate_zb(spec: ScheduleSpec) -> Schedule:
+    """BitPipe's order split (each W right after its B), and its Ws moved into idle time when that is better."""
     check_setting("bitpipe-zb", spec)
-    p, m, costs = spec.pp, spec.microbatches, spec.cost_model()
-    split = _bidirectional("bitpipe-zb", spec, [rank_order(p, m, r, PassKind.B) for r in range(p)])
-    at_once = replace(split, orders=tuple(_w_after_b(order) for order in split.orders))
-    filled = fill_idle_with_w(split, costs, spec.memory_limit)
-    if _score(filled, costs) < _score(at_once, costs):
-        return filled
-    return at_once
-
-
-def _w_after_b(order: tuple[Pass, ...]) -> tuple[Pass, ...]:
-    found: list[Pass] = []
-    for p in order:
-        found.append(p)
-        if p.kind is PassKind.B:
-            found.append(W(p.stage, p.microbatch, p.pipe))
-    return tuple(found)
-
-
-def _score(schedule: Schedule, costs: CostModel) -> tuple[float, float]:
-    timeline = simulate(schedule, costs)
-    return round(timeline.stage_span, 9), round(timeline.makespan, 9)
-
-
-def fill_idle_with_w(schedule: Schedule, costs: CostModel, limit: float | None) -> Schedule:
-    """Each rank's Ws in the idle gaps of its F/B timeline (oldest first); at once where they would break ``limit``."""
-    timeline = simulate(schedule, costs)
-    orders = []
-    for passes in timeline.ranks:
-        pending: deque[Pass] = deque()
-        order: list[Pass] = []
-        free, level = (passes[0].start if passes else 0.0), 0.0
-        for t in passes:
-            while pending:  # fill the gap before this pass with Ws that fit in it
-                length = costs.duration(pending[0], schedule.placements[pending[0].pipe])
-                if free + length > t.start + EPS:
-                    break
-                w = pending.popleft()
-                order.append(w)
-                level += costs.memory_delta(w, schedule.placements[w.pipe])
-                free += length
-            order.append(t.pass_)
-            level += costs.memory_delta(t.pass_, schedule.placements[t.pass_.pipe])
-            free = max(free, t.end)
-            if t.pass_.kind is PassKind.B:
-                pending.append(W(t.pass_.stage, t.pass_.microbatch, t.pass_.pipe))
-            while pending and limit is not None and _next_level(order, pending, costs, schedule, level) > limit:
-                w = pending.popleft()  # deferring more would exceed the limit at the next forward
-                order.append(w)
-                level += costs.memory_delta(w, schedule.placements[w.pipe])
-        order += pending
-        orders.append(tuple(order))
-    return replace(schedule, orders=tuple(orders))
-
-
-def _next_level(order: list[Pass], pending, costs: CostModel, schedule: Schedule, level: float) -> float:
-    """Memory after one more forward of the largest chunk: what the limit must leave room for."""
-    growth = max(costs.memory_delta(F(0, 0, pipe), placement) for pipe, placement in enumerate(schedule.placements))
-    return level + growth
+    costs, limit = spec.cost_model(), spec.memory_limit
+    at_once = Schedule("bitpipe-zb", _placements(spec), spec.microbatches, split_backward(generate(spec).orders))
+    fill = Move(lambda result: fill_idle(result, costs, limit))
+    return plan(
+        Recipe(
+            "bitpipe-zb",
+            spec,
+            at_once.placements,
+            None,
+            seeds=(lambda: [at_once],),
+            moves=(fill,),
+            shared=_shared(spec),
+            refine=False,
+        )
+    )

@@ -19,17 +19,15 @@ reduction, which the simulator shows once the schedule is lowered with REDUCE_GR
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import replace
 
-from ..costs import CostModel
-from ..ir import F, Pass, PassKind, Schedule, ScheduleError, W
+from ..ir import BW, F, Pass, Schedule, ScheduleError
 from ..placement import Placement, interleaved
 from ..registry import ScheduleSpec, register
-from ..simulate import simulate
+from .moves import by_block, fill_idle, split_backward
+from .search import Move, Recipe, plan
 
 DEFAULT_CHUNKS = 2
-EPS = 1e-9
 
 
 def group_size(spec: ScheduleSpec) -> int:
@@ -51,15 +49,21 @@ def _placement(name: str, spec: ScheduleSpec) -> Placement:
     return interleaved(spec.pp, chunks)
 
 
-def rank_order(placement: Placement, rank: int, microbatches: int, group: int, backward: PassKind) -> list[Pass]:
-    """Rank ``rank``'s passes: per group, forwards block by block, then backwards in reverse."""
+def rank_order(placement: Placement, rank: int, microbatches: int, group: int) -> list[Pass]:
+    """Rank ``rank``'s passes: per group, forwards block by block, then fused backwards in reverse."""
     mine = [stage for stage in range(placement.num_stages) if placement.rank_of(stage) == rank]
     order: list[Pass] = []
     for first in range(0, microbatches, group):
         members = range(first, first + group)
         order += [F(stage, mb) for stage in mine for mb in members]
-        order += [Pass(backward, stage, mb) for stage in reversed(mine) for mb in members]
+        order += [BW(stage, mb) for stage in reversed(mine) for mb in members]
     return order
+
+
+def _schedule(name: str, spec: ScheduleSpec) -> Schedule:
+    placement = _placement(name, spec)
+    m, group = spec.microbatches, group_size(spec)
+    return Schedule(name, (placement,), m, tuple(tuple(rank_order(placement, r, m, group)) for r in range(spec.pp)))
 
 
 @register(
@@ -68,10 +72,7 @@ def rank_order(placement: Placement, rank: int, microbatches: int, group: int, b
     options=("breadth_first_microbatches",),
 )
 def generate(spec: ScheduleSpec) -> Schedule:
-    placement = _placement("breadth-first", spec)
-    m, group = spec.microbatches, group_size(spec)
-    orders = tuple(tuple(rank_order(placement, r, m, group, PassKind.BW)) for r in range(spec.pp))
-    return Schedule("breadth-first", (placement,), m, orders)
+    return _schedule("breadth-first", spec)
 
 
 @register(
@@ -80,42 +81,9 @@ def generate(spec: ScheduleSpec) -> Schedule:
     options=("breadth_first_microbatches",),
 )
 def generate_zb(spec: ScheduleSpec) -> Schedule:
-    placement = _placement("breadth-first-zb", spec)
-    m, group = spec.microbatches, group_size(spec)
-    split = tuple(tuple(rank_order(placement, r, m, group, PassKind.B)) for r in range(spec.pp))
-    plain = Schedule("breadth-first-zb", (placement,), m, split)
-    return fill_idle_with_w(plain, spec.cost_model())
-
-
-def fill_idle_with_w(schedule: Schedule, costs: CostModel) -> Schedule:
-    """Each rank's Ws, oldest first, in the idle gaps of its F/B timeline they fit in; the rest at the end."""
-    timeline = simulate(schedule, costs)
-    orders = []
-    for passes in timeline.ranks:
-        pending: deque[tuple[float, Pass]] = deque()  # (when its B ends, the W)
-        order: list[Pass] = []
-        free = passes[0].start if passes else 0.0
-        for t in passes:
-            while pending and pending[0][0] <= free + EPS:
-                w = pending[0][1]
-                length = costs.duration(w, schedule.placements[w.pipe])
-                if free + length > t.start + EPS:
-                    break
-                order.append(pending.popleft()[1])
-                free += length
-            order.append(t.pass_)
-            free = t.end
-            if t.pass_.kind is PassKind.B:
-                pending.append((t.end, W(t.pass_.stage, t.pass_.microbatch, t.pass_.pipe)))
-        order += _trailing([w for _, w in pending], order[-1].stage if order else None)
-        orders.append(tuple(order))
-    return replace(schedule, orders=tuple(orders))
-
-
-def _trailing(ws: list[Pass], last_stage: int | None) -> list[Pass]:
-    """The Ws left after the last B, grouped by chunk: the chunk that ran last first, then by age."""
-    stages = list(dict.fromkeys(w.stage for w in ws))
-    if last_stage in stages:
-        stages.remove(last_stage)
-        stages.insert(0, last_stage)
-    return [w for stage in stages for w in ws if w.stage == stage]
+    plain = _schedule("breadth-first-zb", spec)
+    split = replace(plain, orders=split_backward(plain.orders))
+    fill = Move(lambda result: fill_idle(result, spec.cost_model(), trailing=by_block), always=True)
+    return plan(
+        Recipe("breadth-first-zb", spec, split.placements, None, seeds=(lambda: [split],), moves=(fill,), refine=False)
+    )

@@ -17,13 +17,12 @@ from collections.abc import Callable, Sequence
 from ..costs import CostModel
 from ..ir import Pass
 from ..placement import Placement
-from .result import CODE, Result, encode
+from .result import Result, encoding_of, timed, timed_codes
 from .search import eval_microbatches
-from .timing import timed, timed_codes
 
 
 def extended(codes: list[list[int]], m: int, period: int, more: int) -> list[list[int]] | None:
-    """Encoded orders for m microbatches (result.py) with ``more`` added to every rank's steady state,
+    """Encoded orders for m microbatches (timing.Encoding) with ``more`` added to every rank's steady state,
     encoded for m + more; None if a rank has no steady period.
 
     ``period``: passes of one microbatch on a rank (3 per chunk, F, B and W).
@@ -71,8 +70,8 @@ def planned(
     if fewer < m:
         orders = plan(fewer)
         if orders is not None:
-            n = placement.num_stages
-            codes = [[encode(CODE[x.kind], x.stage, x.microbatch, n, fewer) for x in order] for order in orders]
+            encode = encoding_of((placement,), fewer).encode
+            codes = [[encode(x) for x in order] for order in orders]
             longer = extended(codes, fewer, 3 * placement.chunks, m - fewer)
             if longer is not None:
                 return timed_codes(longer, placement, costs, m)

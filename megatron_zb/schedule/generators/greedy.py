@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..costs import CostModel
-from ..ir import ScheduleError
+from ..ir import PassKind, ScheduleError
 from ..placement import Placement
-from .result import B_CODE, F_CODE, W_CODE, Result
+from ..timing import EPS, Clock
+from .result import Result, model_of
 
-EPS = 1e-9
+F, B, W = PassKind.F, PassKind.B, PassKind.W
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class Stalled(ScheduleError):
 
 
 class _Greedy:
+    """The scheduler's state: what each rank knows when it decides (``decided``: the decision times,
+    ``now``: each rank's clock) and the resulting order's as-soon-as-possible times (``asap``)."""
+
     def __init__(
         self,
         placement: Placement,
@@ -103,63 +107,39 @@ class _Greedy:
         switches: Switches,
         strict: bool = False,
     ):
-        pl, c = placement, placement.chunks
+        model = model_of((placement,), m, costs)
         self.strict = strict
         self.m, self.sw, self.placement = m, switches, placement
         self.limit = float("inf") if limit is None else limit + EPS
         self.comm = costs.t_comm
-        n = pl.num_stages
-        self.n = n
-        self.rank = [pl.rank_of(s) for s in range(n)]
-        full = [pl.full_stage(s) for s in range(n)]
-        self.tf = [costs.t_f[full[s]] / c for s in range(n)]
-        self.tb = [costs.t_b[full[s]] / c for s in range(n)]
-        self.tw = [costs.t_w[full[s]] / c for s in range(n)]
-        self.df = [costs.mem_f[full[s]] / c for s in range(n)]
-        self.db = [costs.mem_b[full[s]] / c for s in range(n)]
-        self.dw = [costs.mem_w[full[s]] / c for s in range(n)]
-        p = pl.pp
+        self.n = n = placement.num_stages
+        self.rank = [placement.rank_of(s) for s in range(n)]
+        self.f0, self.b0, self.w0 = (model.encoding.code(kind, 0, 0) for kind in (F, B, W))  # + s * m + k
+        self.tf, self.tb, self.tw = (
+            [model.duration(base + s * m) for s in range(n)] for base in (self.f0, self.b0, self.w0)
+        )
+        self.df = [model.delta(self.f0 + s * m) for s in range(n)]
+        p = placement.pp
         self.stages = [[s for s in range(n) if self.rank[s] == r] for r in range(p)]
         # memory a rank reserves when a microbatch enters it: its Fs on the rank's later chunks
         self.extra = [sum(self.df[s] for s in stages[1:]) for stages in self.stages]
         self.reserved = [0.0] * p  # strict: later-chunk F memory of the microbatches admitted
-        # decision times (what a rank knows) and as-soon-as-possible times of the resulting order
-        self.f_end: list[list[float | None]] = [[None] * m for _ in range(n)]
-        self.f_asap, self.b_asap = [[0.0] * m for _ in range(n)], [[0.0] * m for _ in range(n)]
-        self.free, self.first = [0.0] * p, [None] * p
-        self.peak = [0.0] * p
-        self.b_end: list[list[float | None]] = [[None] * m for _ in range(n)]
-        self.f_next, self.b_next = [0] * n, [0] * n
+        self.decided, self.asap = Clock(model), Clock(model)
+        self.f_next, self.b_next = [0] * n, [0] * n  # per stage: its next F and B
+        self.known_f: list[float | None] = [None] * n  # their arrivals, once known
+        self.known_b: list[float | None] = [None] * n
         self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-        self.mem, self.clock = [0.0] * p, [0.0] * p
-        self.orders: list[list[int]] = [[] for _ in range(p)]  # encoded passes (result.py)
-        self.code = {kind: kind * n * m for kind in (F_CODE, B_CODE, W_CODE)}
+        self.now = [0.0] * p
         self.remaining = [3 * m * len(stages) for stages in self.stages]
         self.sleeping = [False] * p
         self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
-        self.steps_left = step_bound(pl, m)
-
-    def _f_arrival(self, s: int, k: int) -> float | None:
-        if s == 0:
-            return 0.0
-        end = self.f_end[s - 1][k]
-        if end is None:
-            return None
-        return end + (self.comm if self.rank[s - 1] != self.rank[s] else 0.0)
-
-    def _b_arrival(self, s: int, k: int) -> float | None:
-        if s == self.n - 1:
-            return self.f_end[s][k]
-        end = self.b_end[s + 1][k]
-        if end is None:
-            return None
-        return end + (self.comm if self.rank[s + 1] != self.rank[s] else 0.0)
+        self.steps_left = step_bound(placement, m)
 
     def _f_fits(self, r: int, s: int) -> bool:
-        first = s == self.stages[r][0]
+        first, level = s == self.stages[r][0], self.asap.level[r]
         if self.strict:
-            return not first or self.mem[r] + self.reserved[r] + self.df[s] + self.extra[r] <= self.limit
-        return self.mem[r] + self.df[s] + (self.extra[r] if first else 0.0) <= self.limit
+            return not first or level + self.reserved[r] + self.df[s] + self.extra[r] <= self.limit
+        return level + self.df[s] + (self.extra[r] if first else 0.0) <= self.limit
 
     def run(self) -> Result:
         while True:
@@ -167,18 +147,16 @@ class _Greedy:
                 t, r = heapq.heappop(self.heap)
                 self._count_step()
                 self._step(r, t)
-            held = [r for r in range(len(self.orders)) if self.remaining[r] and self.pending[r]]
+            held = [r for r in range(len(self.now)) if self.remaining[r] and self.pending[r]]
             if not held:
                 break
             for r in held:  # every rank waits while holding Ws: release memory
                 self.sleeping[r] = False
-                self._run_w(r, self.clock[r])
+                self._run_w(r, self.now[r])
         if any(self.remaining):
             stuck = [r for r, left in enumerate(self.remaining) if left]
             raise Stalled(f"the list scheduler stalled on ranks {stuck} (memory limit too tight for this layout)")
-        firsts = [first for first in self.first if first is not None]
-        span = max(end - first for end, first in zip(self.free, self.first, strict=True) if first is not None)
-        return Result(self.orders, self.n, self.m, span, max(self.free) - min(firsts), max(self.peak))
+        return Result.of_clock(self.asap)
 
     def _count_step(self) -> None:
         self.steps_left -= 1
@@ -189,19 +167,8 @@ class _Greedy:
                 "times never become ready)"
             )
 
-    def _asap(self, r: int, ready: float, duration: float) -> float:
-        """Start the pass as early as the order allows; returns its end."""
-        start = max(self.free[r], ready)
-        if self.first[r] is None:
-            self.first[r] = start
-        self.free[r] = start + duration
-        return start + duration
-
-    def _hop(self, src: int, dst: int) -> float:
-        return self.comm if self.rank[src] != self.rank[dst] else 0.0
-
     def _step(self, r: int, t: float) -> None:
-        sw, m = self.sw, self.m
+        sw, m, arrival = self.sw, self.m, self.decided.ready
         ready_b: tuple[int, int] | None = None
         ready_f: int | None = None
         future_b: list[float] = []
@@ -211,10 +178,12 @@ class _Greedy:
         for s in self.stages[r]:
             k = self.b_next[s]
             if k < self.f_next[s]:
-                a = self._b_arrival(s, k)
+                a = self.known_b[s]
+                if a is None:
+                    a = self.known_b[s] = arrival(self.b0 + s * m + k)  # once known, an arrival stays
                 if a is None:
                     q = self.rank[s + 1]
-                    unknown.append(max(self.clock[q], t) + self.tb[s + 1] + self.comm)
+                    unknown.append(max(self.now[q], t) + self.tb[s + 1] + self.comm)
                 elif a <= t + EPS:
                     if ready_b is None or (k, -s) < (ready_b[1], -ready_b[0]):
                         ready_b = (s, k)
@@ -222,10 +191,12 @@ class _Greedy:
                     future_b.append(a)
             k = self.f_next[s]
             if k < m:
-                a = self._f_arrival(s, k)
+                a = self.known_f[s]
+                if a is None:
+                    a = self.known_f[s] = arrival(self.f0 + s * m + k)
                 if a is None:
                     q = self.rank[s - 1]
-                    unknown.append(max(self.clock[q], t) + self.tf[s - 1] + self.comm)
+                    unknown.append(max(self.now[q], t) + self.tf[s - 1] + self.comm)
                 elif not self._f_fits(r, s):
                     if a <= t + EPS:
                         memory_blocked = True
@@ -239,9 +210,9 @@ class _Greedy:
         future += future_b
         next_b = min(future_b, default=float("inf"))
         if ready_b is not None and (sw.prefer_b or ready_f is None):
-            return self._run_b(r, t, *ready_b)
+            return self._run(r, t, self.b0 + ready_b[0] * m + ready_b[1])
         if ready_f is not None and not (sw.protect_b and ready_b is None and next_b < t + self.tf[ready_f] - EPS):
-            return self._run_f(r, t, ready_f)
+            return self._run(r, t, self.f0 + ready_f * m + self.f_next[ready_f])
         if self.pending[r]:
             s = self.pending[r][0][0]
             fits = not (sw.protect_b and next_b < t + self.tw[s] - EPS)
@@ -256,48 +227,37 @@ class _Greedy:
             self.sleeping[r] = True
 
     def _push(self, r: int, t: float) -> None:
-        self.clock[r] = t
+        self.now[r] = t
         heapq.heappush(self.heap, (t, r))
 
     def _wake(self, q: int) -> None:
         if self.sleeping[q]:
             self.sleeping[q] = False
-            heapq.heappush(self.heap, (self.clock[q], q))
+            heapq.heappush(self.heap, (self.now[q], q))
 
-    def _run_f(self, r: int, t: float, s: int) -> None:
-        k = self.f_next[s]
-        self.f_next[s] += 1
-        end = t + self.tf[s]
-        self.f_end[s][k] = end
-        ready = self.f_asap[s - 1][k] + self._hop(s - 1, s) if s else 0.0
-        self.f_asap[s][k] = self._asap(r, ready, self.tf[s])
-        self.mem[r] += self.df[s]
-        if self.strict:
-            self.reserved[r] += self.extra[r] if s == self.stages[r][0] else -self.df[s]
-        self.peak[r] = max(self.peak[r], self.mem[r])
-        self.orders[r].append(self.code[F_CODE] + s * self.m + k)
+    def _run(self, r: int, t: float, code: int) -> None:
+        """Run an F or a B at decision time t (its inputs have arrived) and wake the rank it feeds."""
+        s, k = divmod(code % (self.n * self.m), self.m)
+        end = self.decided.mark(code, t)
+        self.asap.place(code)
+        if code < self.b0:
+            self.f_next[s] += 1
+            self.known_f[s] = None
+            if self.strict:
+                self.reserved[r] += self.extra[r] if s == self.stages[r][0] else -self.df[s]
+            fed = s + 1 if s + 1 < self.n else None
+        else:
+            self.b_next[s] += 1
+            self.known_b[s] = None
+            self.pending[r].append((s, k))
+            fed = s - 1 if s > 0 else None
         self._done(r, end)
-        if s + 1 < self.n:
-            self._wake(self.rank[s + 1])
-
-    def _run_b(self, r: int, t: float, s: int, k: int) -> None:
-        self.b_next[s] += 1
-        end = t + self.tb[s]
-        self.b_end[s][k] = end
-        ready = self.b_asap[s + 1][k] + self._hop(s + 1, s) if s + 1 < self.n else self.f_asap[s][k]
-        self.b_asap[s][k] = self._asap(r, ready, self.tb[s])
-        self.mem[r] += self.db[s]
-        self.pending[r].append((s, k))
-        self.orders[r].append(self.code[B_CODE] + s * self.m + k)
-        self._done(r, end)
-        if s > 0:
-            self._wake(self.rank[s - 1])
+        if fed is not None:
+            self._wake(self.rank[fed])
 
     def _run_w(self, r: int, t: float) -> None:
         s, k = self.pending[r].popleft()
-        self.mem[r] += self.dw[s]
-        self.orders[r].append(self.code[W_CODE] + s * self.m + k)
-        self._asap(r, self.b_asap[s][k], self.tw[s])
+        self.asap.place(self.w0 + s * self.m + k)
         self._done(r, t + self.tw[s])
 
     def _done(self, r: int, end: float) -> None:

@@ -36,17 +36,21 @@ def chunk_order(microbatches: int, chunks: int, groups: list[int]) -> list[tuple
     return order
 
 
+def looped(p: int, m: int, v: int) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+    """The groups, and the (chunk, microbatch) order of a rank's forwards and of its backwards (chunks reversed)."""
+    groups = group_sizes(m, p)
+    forwards = chunk_order(m, v, groups)
+    return groups, forwards, [(v - 1 - chunk, mb) for chunk, mb in forwards]
+
+
 @register("interleaved-1f1b", "Megatron's interleaved 1F1B over --chunks blocks per rank; bubble / chunks")
 def generate(spec: ScheduleSpec) -> Schedule:
     p, m = spec.pp, spec.microbatches
     v = DEFAULT_CHUNKS if spec.chunks is None else spec.chunks
     if v < 2:
         raise ScheduleError(f"interleaved-1f1b needs --chunks >= 2, got {v}; with one chunk use 1f1b")
-    groups = group_sizes(m, p)
-    forwards = chunk_order(m, v, groups)
-    backwards = [(v - 1 - chunk, mb) for chunk, mb in forwards]
-    total = len(forwards)
-    orders = []
+    groups, forwards, backwards = looped(p, m, v)
+    total, orders = len(forwards), []
     for rank in range(p):
         warmup = min(2 * (p - 1 - rank) + (v - 1) * groups[0], total)
         order = [F(c * p + rank, mb) for c, mb in forwards[:warmup]]

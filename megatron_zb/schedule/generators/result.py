@@ -1,50 +1,85 @@
 """What a planner returns: per-rank orders with their stage span, makespan and peak memory.
 
 Planners run many candidates and keep one, so they record each pass as an integer code
-(kind, stage, microbatch) and only the chosen orders become ``Pass`` objects.
+(``timing.Encoding``) and only the chosen orders become ``Pass`` objects.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
-from ..ir import Pass, PassKind
-
-KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
-CODE = {kind: index for index, kind in enumerate(KINDS)}
-F_CODE, B_CODE, W_CODE = 0, 1, 2
-
-
-def encode(kind: int, stage: int, microbatch: int, stages: int, microbatches: int) -> int:
-    return (kind * stages + stage) * microbatches + microbatch
+from ..costs import CostModel
+from ..ir import Pass, Schedule
+from ..placement import Placement
+from ..timing import Clock, Encoding, Model, run
 
 
 @dataclass(frozen=True)
 class Result:
-    codes: list[list[int]]  # per rank, ``encode``d passes
-    stages: int
-    microbatches: int
+    codes: list[list[int]]  # per rank, ``encoding``'s codes
+    encoding: Encoding = field(compare=False)
     stage_span: float
     makespan: float
     peak: float
+    label: str = field(default="", compare=False)  # what made it (a family's name, for ``auto``)
     _decoded: list = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
-    def of_passes(
-        cls, orders: Sequence[Sequence[Pass]], stages: int, microbatches: int, span: float, makespan: float, peak: float
-    ) -> Result:
-        codes = [[encode(CODE[x.kind], x.stage, x.microbatch, stages, microbatches) for x in order] for order in orders]
-        return cls(codes, stages, microbatches, span, makespan, peak)
+    def of_clock(cls, clock: Clock) -> Result:
+        span, makespan = clock.spans()
+        return cls(clock.orders, clock.model.encoding, span, makespan, max(clock.peak, default=0.0))
 
     @property
     def orders(self) -> list[list[Pass]]:
         if not self._decoded:
-            n, m = self.stages, self.microbatches
-            self._decoded.append(
-                [[Pass(KINDS[code // (n * m)], code // m % n, code % m) for code in order] for order in self.codes]
-            )
+            self._decoded.append([[self.encoding.decode(code) for code in order] for order in self.codes])
         return self._decoded[0]
+
+    @property
+    def microbatches(self) -> int:
+        return self.encoding.microbatches
+
+    @property
+    def passes(self) -> int:
+        return sum(map(len, self.codes))
 
     def score(self) -> tuple[float, float, float]:
         return (round(self.stage_span, 9), round(self.makespan, 9), round(self.peak, 9))
+
+
+@lru_cache(maxsize=64)
+def encoding_of(placements: tuple[Placement, ...], microbatches: int) -> Encoding:
+    return Encoding(placements, microbatches)
+
+
+@lru_cache(maxsize=64)
+def model_of(placements: tuple[Placement, ...], microbatches: int, costs: CostModel | None) -> Model:
+    """The timing model of a setting, built once per process (planners time many candidates on it)."""
+    return Model(encoding_of(placements, microbatches), costs)
+
+
+Placements = Placement | Sequence[Placement]
+
+
+def _placements(placement: Placements) -> tuple[Placement, ...]:
+    return (placement,) if isinstance(placement, Placement) else tuple(placement)
+
+
+def timed_codes(codes: Sequence[Sequence[int]], placement: Placements, costs: CostModel, m: int) -> Result | None:
+    """Stage span, makespan and peak memory of encoded orders; None if they deadlock."""
+    clock = run(model_of(_placements(placement), m, costs), codes)
+    return None if clock is None else Result.of_clock(clock)
+
+
+def timed(orders: Sequence[Sequence[Pass]], placement: Placements, costs: CostModel, m: int) -> Result | None:
+    """``timed_codes`` of orders of passes."""
+    encode = encoding_of(_placements(placement), m).encode
+    return timed_codes([[encode(p) for p in order] for order in orders], placement, costs, m)
+
+
+def timed_schedule(schedule: Schedule, costs: CostModel) -> Result | None:
+    """A schedule's orders timed, labelled with its name."""
+    result = timed(schedule.orders, schedule.placements, costs, schedule.microbatches)
+    return None if result is None else replace(result, label=schedule.name)

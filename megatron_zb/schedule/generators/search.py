@@ -1,47 +1,156 @@
-"""Pick the best of several candidate orders by stage span (then makespan, then peak memory).
+"""The one search driver: a schedule family is a ``Recipe``, and ``plan`` keeps its best candidate.
 
-A candidate is either a *planner*, a heuristic that plans any number of microbatches (the
-list scheduler with one switch setting, a round heuristic), or a *seed*, a fixed order (the
-handmade and PyTorch-style schedules, the V building blocks). Planners are ranked on a sample
-of the microbatches when planning all of them for every candidate would be slow; the best
-ones are then planned for all. Seeds are timed on all microbatches and kept when they fit the
-memory limit, so the result is never worse than any of them.
+A recipe names the placements and the memory limit, and where candidates come from:
+*planners*, heuristics that plan any number of microbatches (the list scheduler with one
+switch setting, a round heuristic), and *seeds*, fixed orders (the handmade and PyTorch-style
+schedules, the V building blocks, whole other families for ``auto``). Planners are ranked on a
+sample of the microbatches when planning all of them for every candidate would be slow; the
+best ones are then planned for all (``budget.py``). Seeds are timed on all microbatches and
+kept when they fit the memory limit, so the result is never worse than any of them. The best
+candidate then goes through the recipe's *moves* (moves.py), each kept when it is better, or
+always when the move cannot make it slower. Candidates are ranked by stage span, then
+makespan, then peak memory, unless the recipe ranks otherwise (``auto``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from ..costs import CostModel
-from ..ir import Pass, Schedule, ScheduleError
+from ..ir import Schedule, ScheduleError
 from ..placement import Placement
 from ..registry import ScheduleSpec
-from ..simulate import Timeline
+from ..timing import EPS
+from .budget import BUDGET
 from .greedy import ALL_SWITCHES, Switches, check_memory_costs, greedy_orders, min_memory_limit
-from .result import Result
-from .timing import timed
+from .result import Result, timed_schedule
 
-EPS = 1e-9
 Planner = Callable[[int], Result]  # plans m microbatches; raises ScheduleError when it cannot
-EVAL_PASSES = 12_000  # above this many passes, planners are ranked on fewer microbatches
-CONFIRM = 2  # planners planned for all microbatches after ranking on a sample (distinct sample scores)
+Seeds = Callable[[], Iterable["Result | Schedule"]]  # fixed candidates, made when the search gets to them
 
 
-def score(timeline: Timeline) -> tuple[float, float, float]:
-    return (round(timeline.stage_span, 9), round(timeline.makespan, 9), round(max(timeline.peak_memory), 9))
+@dataclass(frozen=True)
+class Move:
+    apply: Callable[[Result], Result | None]
+    always: bool = False  # keep its result even when not better (the move cannot make the order slower)
 
 
-def lower_bound(costs: CostModel, placement: Placement | None = None) -> float:
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    spec: ScheduleSpec
+    placements: tuple[Placement, ...]
+    limit: float | None  # candidates above it are passed over
+    planners: Sequence[Planner] = ()
+    seeds: Sequence[Seeds] = ()
+    moves: Sequence[Move] = ()
+    fallback: Callable[[], Sequence[Planner]] | None = None  # made and planned only when no other candidate fits
+    shared: tuple = ()  # Schedule.shared
+    rank: Callable[[Result], tuple] = Result.score
+    title: Callable[[Result], str] | None = None  # the schedule's name (default: the recipe's)
+    refusal: Callable[[], str] | None = None  # the error when nothing fits (default: no heuristic could plan)
+    refine: bool = True  # --refine-seconds gives the result to the solver
+
+
+def best(recipe: Recipe) -> Result:
+    """The recipe's best candidate after its moves; raises ScheduleError when none fits."""
+    found = _best_plan(recipe, recipe.planners)
+    for make in recipe.seeds:
+        for seed in make():
+            found = _better(recipe, found, seed if isinstance(seed, Result) else timed_schedule(seed, _costs(recipe)))
+    if found is None and recipe.fallback is not None:
+        found = _best_plan(recipe, recipe.fallback())
+    if found is None:
+        spec = recipe.spec
+        message = f"{recipe.name}: no heuristic could plan pp={spec.pp}, microbatches={spec.microbatches}"
+        raise ScheduleError(recipe.refusal() if recipe.refusal else message)
+    for move in recipe.moves:
+        moved = move.apply(found)
+        if moved is not None and (move.always or recipe.rank(moved) < recipe.rank(found)):
+            found = moved
+    return found
+
+
+def plan(recipe: Recipe) -> Schedule:
+    """``best`` as a schedule, refined by the solver if asked."""
+    found = best(recipe)
+    spec, orders = recipe.spec, tuple(map(tuple, found.orders))
+    name = recipe.title(found) if recipe.title else recipe.name
+    schedule = Schedule(name, found.encoding.placements, spec.microbatches, orders, recipe.shared)
+    if recipe.refine and spec.refine_seconds > 0:
+        from ..refine import refine
+
+        schedule = refine(schedule, _costs(recipe), recipe.limit, spec.refine_seconds)
+    return schedule
+
+
+def _costs(recipe: Recipe) -> CostModel:
+    return recipe.spec.cost_model()
+
+
+def _better(recipe: Recipe, found: Result | None, result: Result | None) -> Result | None:
+    if result is None or (recipe.limit is not None and result.peak > recipe.limit + EPS):
+        return found
+    return result if found is None or recipe.rank(result) < recipe.rank(found) else found
+
+
+def _best_plan(recipe: Recipe, planners: Sequence[Planner]) -> Result | None:
+    """The best planner's orders for all microbatches, planners ranked on a sample where that is slow."""
+    if not planners:
+        return None
+    placement, m = recipe.placements[0], recipe.spec.microbatches
+    floor = round(m * lower_bound(_costs(recipe), placement), 9)
+    m_eval = eval_microbatches(m, placement)
+    ranked: list[tuple[tuple, int]] = []
+    found: Result | None = None
+    for index, planner in enumerate(planners):
+        try:
+            result = planner(m_eval)
+        except ScheduleError:
+            continue
+        if m_eval == m:
+            found = _better(recipe, found, result)
+            if found is not None and found.score()[0] <= floor:
+                return found
+        else:
+            ranked.append((result.score(), index))
+    confirmed: set[tuple] = set()
+    for ranked_score, index in sorted(ranked):
+        if len(confirmed) == BUDGET.search.confirm:
+            break
+        if ranked_score in confirmed:
+            continue  # ties on the sample are usually the same orders: plan one of them
+        confirmed.add(ranked_score)
+        try:
+            found = _better(recipe, found, planners[index](m))
+        except ScheduleError:
+            continue
+    return found
+
+
+def lower_bound(costs: CostModel, placement: Placement) -> float:
     """No stage span is shorter than the busiest rank's work per microbatch."""
-    if placement is None:
-        return max(costs.work_per_microbatch(stage) for stage in range(costs.pp))
     work = [0.0] * placement.pp
     for block, (rank, _) in enumerate(placement.blocks):
         work[rank] += costs.work_per_microbatch(placement.full_stage(block)) / placement.chunks
     return max(work)
 
 
-def check_limit(name: str, spec: ScheduleSpec, placement: Placement, limit: float | None) -> CostModel:
+def eval_microbatches(m: int, placement: Placement) -> int:
+    """How many microbatches planners are ranked on: all of them unless that is slow."""
+    if 3 * m * placement.num_stages <= BUDGET.search.eval_passes:
+        return m
+    return min(m, max(2 * placement.pp, BUDGET.search.eval_passes // (3 * placement.num_stages)))
+
+
+def large(spec: ScheduleSpec, placement: Placement) -> bool:
+    """Whether planners are ranked on a sample of the microbatches (``eval_microbatches``)."""
+    return eval_microbatches(spec.microbatches, placement) < spec.microbatches
+
+
+def checked_limit(name: str, spec: ScheduleSpec, placement: Placement, limit: float | None) -> CostModel:
+    """The costs, once they and ``limit`` can plan anything (one microbatch on every chunk of a rank)."""
     costs = spec.cost_model()
     check_memory_costs(name, costs)
     need = min_memory_limit(placement, costs)
@@ -71,94 +180,6 @@ def greedy_planners(
     ]
 
 
-def eval_microbatches(m: int, placement: Placement) -> int:
-    """How many microbatches planners are ranked on: all of them unless that is slow."""
-    if 3 * m * placement.num_stages <= EVAL_PASSES:
-        return m
-    return min(m, max(2 * placement.pp, EVAL_PASSES // (3 * placement.num_stages)))
-
-
-def best_plan(
-    planners: Sequence[Planner], placement: Placement, costs: CostModel, m: int, limit: float | None
-) -> Result | None:
-    """The best planner's orders for m microbatches (None if none can plan them)."""
-    floor = round(m * lower_bound(costs, placement), 9)
-    m_eval = eval_microbatches(m, placement)
-    ranked: list[tuple[tuple[float, float, float], int]] = []
-    best: Result | None = None
-    for index, planner in enumerate(planners):
-        try:
-            result = planner(m_eval)
-        except ScheduleError:
-            continue
-        if m_eval == m:
-            best = _better(best, result, limit)
-            if best is not None and best.score()[0] <= floor:
-                return best
-        else:
-            ranked.append((result.score(), index))
-    confirmed: set[tuple[float, float, float]] = set()
-    for ranked_score, index in sorted(ranked):
-        if len(confirmed) == CONFIRM:
-            break
-        if ranked_score in confirmed:
-            continue  # ties on the sample are usually the same orders: plan one of them
-        confirmed.add(ranked_score)
-        try:
-            best = _better(best, planners[index](m), limit)
-        except ScheduleError:
-            continue
-    return best
-
-
-def _better(best: Result | None, result: Result, limit: float | None) -> Result | None:
-    if limit is not None and result.peak > limit + EPS:
-        return best
-    return result if best is None or result.score() < best.score() else best
-
-
-def with_seeds(
-    best: Result | None,
-    seeds: Iterable[Schedule | Result],
-    placement: Placement,
-    costs: CostModel,
-    limit: float | None,
-) -> Result | None:
-    """The best of ``best`` and the seeds that fit the limit (one-pipe schedules on ``placement``, or timed orders)."""
-    for seed in seeds:
-        result = seed if isinstance(seed, Result) else timed(seed.orders, placement, costs, seed.microbatches)
-        if result is not None:
-            best = _better(best, result, limit)
-    return best
-
-
-def search(
-    name: str,
-    spec: ScheduleSpec,
-    placement: Placement,
-    limit: float | None,
-    seeds: Iterable[Schedule | Result] = (),
-    planners: Sequence[Planner] = (),
-    switches: Iterable[Switches] = ALL_SWITCHES,
-    lean: bool = False,
-) -> Result:
-    """The best of ``planners``, the list scheduler with ``switches`` and ``seeds``.
-
-    ``lean``: on large settings with the same costs on every stage, leave the list scheduler
-    out. It never beat the round heuristics and the squeezed blocks there on our grid (it does
-    with unequal stages), and it is the slow part of planning.
-    """
-    costs = check_limit(name, spec, placement, limit)
-    every = list(planners)
-    large = eval_microbatches(spec.microbatches, placement) < spec.microbatches
-    if not (lean and large and uniform(costs)):
-        every += greedy_planners(placement, costs, limit, switches)
-    best = with_seeds(best_plan(every, placement, costs, spec.microbatches, limit), seeds, placement, costs, limit)
-    if best is None:
-        raise ScheduleError(f"{name}: no heuristic could plan pp={spec.pp}, microbatches={spec.microbatches}")
-    return best
-
-
 def searched(
     name: str,
     spec: ScheduleSpec,
@@ -168,23 +189,16 @@ def searched(
     planners: Sequence[Planner] = (),
     switches: Iterable[Switches] = ALL_SWITCHES,
     lean: bool = False,
-) -> Schedule:
-    """``search`` as a schedule, refined by the solver if asked."""
-    best = search(name, spec, placement, limit, seeds, planners, switches, lean)
-    return finish(name, spec, placement, spec.cost_model(), limit, best.orders)
+) -> Recipe:
+    """A one-placement recipe: ``planners``, the list scheduler with ``switches``, and ``seeds``.
 
-
-def finish(
-    name: str,
-    spec: ScheduleSpec,
-    placement: Placement,
-    costs: CostModel,
-    limit: float | None,
-    orders: Sequence[Sequence[Pass]],
-) -> Schedule:
-    schedule = Schedule(name, (placement,), spec.microbatches, tuple(tuple(order) for order in orders))
-    if spec.refine_seconds > 0:
-        from ..refine import refine
-
-        schedule = refine(schedule, costs, limit, spec.refine_seconds)
-    return schedule
+    ``lean``: on large settings with the same costs on every stage, leave the list scheduler
+    out. It never beat the round heuristics and the squeezed blocks there on our grid (it does
+    with unequal stages), and it is the slow part of planning.
+    """
+    costs = checked_limit(name, spec, placement, limit)
+    every = list(planners)
+    if not (lean and large(spec, placement) and uniform(costs)):
+        every += greedy_planners(placement, costs, limit, switches)
+    fixed = list(seeds)
+    return Recipe(name, spec, (placement,), limit, every, (lambda: fixed,))

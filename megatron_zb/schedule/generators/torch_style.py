@@ -17,7 +17,7 @@ phase structure):
 from __future__ import annotations
 
 from ..ir import B, F, Pass, W
-from .interleaved import chunk_order, group_sizes
+from .interleaved import looped
 
 
 def zbv_orders(p: int, m: int) -> list[list[Pass]]:
@@ -63,11 +63,8 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Pass]:
 
 
 def interleaved_zb_orders(p: int, m: int, v: int) -> list[list[Pass]]:
-    groups = group_sizes(m, p)
-    forwards = chunk_order(m, v, groups)
-    backwards = [(v - 1 - chunk, mb) for chunk, mb in forwards]
-    total = len(forwards)
-    orders = []
+    groups, forwards, backwards = looped(p, m, v)
+    total, orders = len(forwards), []
     for r in range(p):
         warmup = min((v - 1) * groups[0] + p - 1 - r, total)
         order = [F(c * p + r, mb) for c, mb in forwards[:warmup]]

@@ -26,33 +26,24 @@ from ..costs import CostModel
 from ..ir import Schedule, ScheduleError
 from ..placement import Placement, v_shape
 from ..registry import ScheduleSpec, register
+from ..timing import EPS
+from .budget import BUDGET
 from .greedy import Switches, greedy_orders, min_memory_limit
 from .result import Result
-from .search import (
-    EPS,
-    Planner,
-    best_plan,
-    check_limit,
-    eval_microbatches,
-    finish,
-    greedy_planners,
-    uniform,
-    with_seeds,
-)
+from .search import Planner, Recipe, best, checked_limit, eval_microbatches, greedy_planners, plan, uniform
 from .v_family import (
     V_SWITCHES,
     block_peak,
-    building_block_plan,
+    building_block,
     one_f_one_b_peak,
     v_half_offsets,
     v_min_offsets,
     v_spec,
-    zb_v_plan,
+    zb_v,
 )
 from .v_levels import level_candidates, lowest_block_peak
 
 LADDER_SWITCHES = (Switches(prefer_b=True), Switches(prefer_b=False))
-LADDER_BUDGET = 50_000  # passes the ladder may schedule; bounds planning time at large pp and m
 
 
 def ladder(placement: Placement, costs: CostModel, m_eval: int, top: float) -> tuple[list[float], tuple[Switches, ...]]:
@@ -61,25 +52,25 @@ def ladder(placement: Placement, costs: CostModel, m_eval: int, top: float) -> t
     quarter = min(costs.mem_f) / 4
     fine = int((top - need) / quarter + EPS) + 1
     passes = 3 * m_eval * placement.num_stages
-    if fine * len(V_SWITCHES) * passes <= LADDER_BUDGET:
+    if fine * len(V_SWITCHES) * passes <= BUDGET.v_auto.ladder_passes:
         switches, step = V_SWITCHES, quarter
     else:
         switches = LADDER_SWITCHES
-        step = quarter * math.ceil(fine / max(2, LADDER_BUDGET // (passes * len(switches))))
+        step = quarter * math.ceil(fine / max(2, BUDGET.v_auto.ladder_passes // (passes * len(switches))))
     return [need + k * step for k in range(int((top - need) / step + EPS) + 1)], switches
 
 
-def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Schedule | Result]:
+def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Result]:
     """zb-v (seeded with the PyTorch-style ZB-V order), v-half and v-min as planned by their
     generators, and their blocks; a family whose memory is over ``limit`` is not planned. On large
     settings only the one with the most memory that fits is (more memory, less bubble: the others
     never won there)."""
     fits = float("inf") if limit is None else limit + EPS
-    families = [(one_f_one_b_peak(spec), lambda: [zb_v_plan(spec)])]
+    families = [(one_f_one_b_peak(spec), lambda: [best(zb_v(spec))])]
     for offsets, name in ((v_half_offsets, "v-half"), (v_min_offsets, "v-min")):
         families.append((block_peak(spec, offsets), lambda o=offsets, n=name: _block_family(n, spec, o)))
     large = eval_microbatches(spec.microbatches, v_shape(spec.pp)) < spec.microbatches
-    seeds: list[Schedule | Result] = []
+    seeds: list[Result] = []
     for peak, planned in sorted(families, key=lambda family: -family[0]):
         if peak <= fits:
             try:
@@ -92,8 +83,8 @@ def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Schedule | Res
 
 
 def _block_family(name: str, spec: ScheduleSpec, offsets) -> list[Result]:
-    best, blocks = building_block_plan(name, spec, offsets)
-    return [best, *blocks]
+    recipe, blocks = building_block(name, spec, offsets)
+    return [best(recipe), *blocks]
 
 
 def _greedy_planners(
@@ -115,22 +106,23 @@ def _greedy_planners(
     return planners
 
 
-@register("v-auto", "V-shape list schedule under --memory-limit (any limit from v-min's to zb-v's)")
+@register(
+    "v-auto",
+    "V-shape list schedule under --memory-limit (any limit from v-min's to zb-v's)",
+    options=("memory_limit",),
+)
 def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     """With the same costs on every stage and m >= 2pp the list scheduler only runs under the
     least memory a building block needs (above it, it never won on our grid, and it is slow); on
     large settings then only if nothing else fits."""
     v_spec("v-auto", spec)
     placement, limit, m = v_shape(spec.pp), spec.memory_limit, spec.microbatches
-    costs = check_limit("v-auto", spec, placement, limit)
+    costs = checked_limit("v-auto", spec, placement, limit)
     m_eval = eval_microbatches(m, placement)
     lean = m >= 2 * spec.pp and uniform(costs)
     below = lowest_block_peak(spec.pp, costs) if lean else math.inf
-    planners = [] if lean and m_eval < m else _greedy_planners(placement, costs, m_eval, limit, below)
-    seeds = family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit)
-    best = with_seeds(best_plan(planners, placement, costs, m, limit), seeds, placement, costs, limit)
-    if best is None and lean and m_eval < m:
-        best = best_plan(_greedy_planners(placement, costs, m_eval, limit), placement, costs, m, limit)
-    if best is None:
-        raise ScheduleError(f"v-auto: no heuristic could plan pp={spec.pp}, microbatches={m}")
-    return finish("v-auto", spec, placement, costs, limit, best.orders)
+    skip = lean and m_eval < m
+    planners = [] if skip else _greedy_planners(placement, costs, m_eval, limit, below)
+    fallback = (lambda: _greedy_planners(placement, costs, m_eval, limit)) if skip else None
+    seeds = (lambda: family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit),)
+    return plan(Recipe("v-auto", spec, (placement,), limit, planners, seeds, fallback=fallback))

@@ -13,17 +13,27 @@ repeated block into orders.
 There are a few hundred distinct blocks per pp, grouped by the peak memory of their plain
 repetition in quarter stages; v-auto screens them level by level (v_levels.py), in the order
 ``all_blocks`` ranks them when it cannot screen a whole level.
+
+The *slot model* these work in is the timing model with one slot per pass (``pack``): a rank's
+passes are (type, microbatch) items, F0, F1, B1, B0 and Ws, whose chunk the model leaves open.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Sequence
 from functools import cache
 from itertools import permutations
 
 from ..costs import CostModel
+from ..ir import PassKind
+from ..placement import v_shape
+from ..timing import run
+from .result import encoding_of, model_of
 
 PERIOD = 6
+F0, F1, B1, B0 = range(4)  # a microbatch's passes on a rank of the V, in slot-model items; higher types are Ws
 Offsets = tuple[tuple[int, int, int, int], ...]  # per rank: absolute slots of F0, F1, B1, B0 of microbatch 0
 
 
@@ -63,7 +73,8 @@ def _walk(residues: list[tuple[int, int, int, int]]) -> Offsets:
     return tuple(map(tuple, slots))
 
 
-def _w_slots(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
+def w_slots(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
+    """W1's and W0's slots: each W in the first free residue after its B (W1 first)."""
     gap1, gap0 = _w_gaps(f0 % PERIOD, f1 % PERIOD, b1 % PERIOD, b0 % PERIOD)
     return b1 + gap1, b0 + gap0
 
@@ -101,7 +112,7 @@ def all_blocks(p: int) -> dict[Offsets, tuple[bool, int, int]]:
                     if offsets in found:
                         continue
                     tight = min(d_first, d_rest if hops < p - 1 else d_first) < 2
-                    life = max(max(_w_slots(*slots)) - slots[0] for slots in offsets)
+                    life = max(max(w_slots(*slots)) - slots[0] for slots in offsets)
                     found[offsets] = (tight, -d_first, life)
     return found
 
@@ -170,3 +181,44 @@ def _levels(p: int, mem_f: tuple, mem_b: tuple, mem_w: tuple) -> list[tuple[floa
         peak = _plain_peak(block, memory)
         levels.setdefault(math.ceil(round(peak / quarter, 6)), []).append((block, peak))
     return [(level * quarter, ranked) for level, ranked in sorted(levels.items())]
+
+
+def pack(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]] | None:
+    """The slot of every item, as early as its rank's order and its input allow; None if the orders stall.
+
+    The timing model with every pass one slot long and no latency.
+    """
+    codes = item_codes(p, m, orders)
+    clock = None if codes is None else run(model_of((v_shape(p),), m, _one_slot(p)), codes)
+    if clock is None:
+        return None
+    return [list(map(int, map(clock.start.__getitem__, row))) for row in codes]
+
+
+def item_codes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]] | None:
+    """Slot-model items as passes (``timing.Encoding`` codes of the V): a W belongs to the oldest B of its
+    rank still without one (the slot model does not say which chunk's W runs); None if a W comes first."""
+    code = encoding_of((v_shape(p),), m).code
+    codes = []
+    for r, order in enumerate(orders):
+        blocks = (r, 2 * p - 1 - r, 2 * p - 1 - r, r)  # of F0, F1, B1, B0
+        firsts = [code(PassKind.F if t < B1 else PassKind.B, blocks[t], 0) for t in range(4)]  # + microbatch
+        weights = [code(PassKind.W, blocks[t], 0) for t in range(4)]
+        waiting: deque[int] = deque()
+        row = []
+        for t, k in order:
+            if t > B0:
+                if not waiting:
+                    return None
+                row.append(waiting.popleft())
+                continue
+            row.append(firsts[t] + k)
+            if t >= B1:
+                waiting.append(weights[t] + k)
+        codes.append(row)
+    return codes
+
+
+@cache
+def _one_slot(p: int) -> CostModel:
+    return CostModel(p, t_f=2.0, t_b=2.0, t_w=2.0)  # per stage: each of the V's half-stage passes takes 1

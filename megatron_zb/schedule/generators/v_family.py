@@ -24,13 +24,12 @@ from ..simulate import memory_levels
 from .extend import planned
 from .greedy import ALL_SWITCHES
 from .result import Result
-from .search import Planner, eval_microbatches, finish, search
+from .search import Planner, Recipe, best, eval_microbatches, plan, searched
 from .torch_style import zbv_orders
-from .v_blocks import plain_peak
+from .v_blocks import PERIOD, plain_peak, w_slots
 from .v_squeeze import squeezed_orders
 from .zbv_rounds import V_ROUND_SWITCHES, v_round_orders
 
-SLOTS = 6  # one F, B and W on each of the two chunks
 V_SWITCHES = tuple(s for s in ALL_SWITCHES if s.depth_first)  # breadth-first never won on the V
 
 
@@ -49,15 +48,13 @@ def block_orders(p: int, m: int, offsets) -> list[list[Pass]]:
     orders = []
     for rank in range(p):
         f0, f1, b1, b0 = offsets(p, rank)
-        used = {slot % SLOTS for slot in (f0, f1, b1, b0)}
-        if len(used) != 4:
+        if len({slot % PERIOD for slot in (f0, f1, b1, b0)}) != 4:
             raise ScheduleError(f"building block offsets {offsets(p, rank)} collide for pp={p}, rank {rank}")
-        w1 = _next_free(b1, used)
-        w0 = _next_free(b0, used | {w1 % SLOTS})
+        w1, w0 = w_slots(f0, f1, b1, b0)
         early, late = rank, 2 * p - 1 - rank
         slots = []
         for mb in range(m):
-            base = SLOTS * mb
+            base = PERIOD * mb
             slots += [
                 (base + f0, F(early, mb)),
                 (base + f1, F(late, mb)),
@@ -70,24 +67,14 @@ def block_orders(p: int, m: int, offsets) -> list[list[Pass]]:
     return orders
 
 
-def _next_free(after: int, used: set[int]) -> int:
-    slot = after + 1
-    while slot % SLOTS in used:
-        slot += 1
-    return slot
-
-
 def v_spec(name: str, spec: ScheduleSpec) -> None:
     if spec.chunks not in (None, 2):
         raise ScheduleError(f"{name} runs two chunks per rank (the V), got --chunks {spec.chunks}")
 
 
-def _v_schedule(name: str, spec: ScheduleSpec, orders: list[list[Pass]]) -> Schedule:
-    return Schedule(name, (v_shape(spec.pp),), spec.microbatches, tuple(map(tuple, orders)))
-
-
 def block_schedule(name: str, spec: ScheduleSpec, offsets) -> Schedule:
-    return _v_schedule(name, spec, block_orders(spec.pp, spec.microbatches, offsets))
+    orders = block_orders(spec.pp, spec.microbatches, offsets)
+    return Schedule(name, (v_shape(spec.pp),), spec.microbatches, tuple(map(tuple, orders)))
 
 
 def block_peak(spec: ScheduleSpec, offsets) -> float:
@@ -113,18 +100,12 @@ def block_results(spec: ScheduleSpec, offsets) -> list[Result]:
     return found
 
 
-def building_block_plan(name: str, spec: ScheduleSpec, offsets) -> tuple[Result, list[Result]]:
-    """The best order within the block's peak, and the block's own candidates (for v-auto)."""
+def building_block(name: str, spec: ScheduleSpec, offsets) -> tuple[Recipe, list[Result]]:
+    """Within the block's peak: the plain and squeezed blocks, and the list scheduler (and the blocks, for v-auto)."""
     v_spec(name, spec)
     candidates = block_results(spec, offsets)
     limit = block_peak(spec, offsets)
-    best = search(name, spec, v_shape(spec.pp), limit, seeds=candidates, switches=V_SWITCHES, lean=True)
-    return best, candidates
-
-
-def building_block(name: str, spec: ScheduleSpec, offsets) -> Schedule:
-    best, _ = building_block_plan(name, spec, offsets)
-    return finish(name, spec, v_shape(spec.pp), spec.cost_model(), block_peak(spec, offsets), best.orders)
+    return searched(name, spec, v_shape(spec.pp), limit, candidates, switches=V_SWITCHES, lean=True), candidates
 
 
 def one_f_one_b_peak(spec: ScheduleSpec) -> float:
@@ -137,29 +118,30 @@ def v_round_planners(costs: CostModel, limit: float | None) -> list[Planner]:
     return [(lambda m, s=setting: v_round_orders(costs, m, limit, s)) for setting in V_ROUND_SWITCHES]
 
 
-def zbv_seed(name: str, spec: ScheduleSpec) -> Schedule:
-    """The PyTorch-style ZB-V order (fixed W places)."""
-    return _v_schedule(name, spec, zbv_orders(spec.pp, spec.microbatches))
-
-
-def zb_v_plan(spec: ScheduleSpec) -> Result:
+def zb_v(spec: ScheduleSpec) -> Recipe:
+    """The ZB-V rounds and the list scheduler at 1f1b's peak, seeded with the PyTorch-style ZB-V order."""
     v_spec("zb-v", spec)
     limit = one_f_one_b_peak(spec)
     planners = v_round_planners(spec.cost_model(), limit)
-    return search("zb-v", spec, v_shape(spec.pp), limit, [zbv_seed("zb-v", spec)], planners, V_SWITCHES, lean=True)
+    orders = tuple(map(tuple, zbv_orders(spec.pp, spec.microbatches)))
+    seed = Schedule("zb-v", (v_shape(spec.pp),), spec.microbatches, orders)
+    return searched("zb-v", spec, v_shape(spec.pp), limit, [seed], planners, V_SWITCHES, lean=True)
 
 
 @register("v-min", "V-shape building block at about a third of 1f1b's memory (pp/3+1 stages)")
 def generate_v_min(spec: ScheduleSpec) -> Schedule:
-    return building_block("v-min", spec, v_min_offsets)
+    return plan(building_block("v-min", spec, v_min_offsets)[0])
 
 
 @register("v-half", "V-shape building block at about half of 1f1b's memory (pp/2+1 stages)")
 def generate_v_half(spec: ScheduleSpec) -> Schedule:
-    return building_block("v-half", spec, v_half_offsets)
+    return plan(building_block("v-half", spec, v_half_offsets)[0])
 
 
 @register("zb-v", "zero bubble V: 1f1b's memory, about zero bubble for m >= 2pp, twice the PP messages")
 def generate_zb_v(spec: ScheduleSpec) -> Schedule:
-    costs = spec.cost_model()
-    return finish("zb-v", spec, v_shape(spec.pp), costs, one_f_one_b_peak(spec), zb_v_plan(spec).orders)
+    return plan(zb_v(spec))
+
+
+def zb_v_plan(spec: ScheduleSpec) -> Result:
+    return best(zb_v(spec))

@@ -23,20 +23,14 @@ import math
 
 from ..costs import CostModel
 from ..placement import v_shape
+from ..timing import EPS
+from .budget import BUDGET
 from .extend import extended, fewer_microbatches
 from .polish import polish
-from .result import Result
-from .timing import timed, timed_codes
+from .result import Result, timed, timed_codes
 from .v_blocks import Offsets, blocks_by_level
-from .v_reorder import reordered_orders
+from .v_reorder import reordered_codes
 from .v_squeeze import squeezed_orders
-
-EPS = 1e-9
-SMALL_PASSES = 160_000  # settings whose every block screens within this many passes screen them all
-WINDOW = 1.0  # otherwise: the levels up to this many stages of memory below the highest that fits,
-SCREEN_PASSES = 200_000  # from the highest down, within this many passes screened (one block at least)
-LARGE_SCREEN_PASSES = 50_000  # where all microbatches are planned by stretching fewer
-FINALISTS = 3  # blocks per peak planned for all microbatches (distinct screening times)
 
 
 def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> list[Result]:
@@ -46,8 +40,8 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
     sample = min(m, 2 * p)
     planned_m = fewer_microbatches(m, v_shape(p))  # large settings: plan fewer, then extend (extend.py)
     per_block = 12 * p * p  # passes a screening reorder handles (it repeats 2pp microbatches at least)
-    small = per_block * sum(len(blocks) for _, blocks in levels) <= SMALL_PASSES
-    budget = SCREEN_PASSES if planned_m == m else LARGE_SCREEN_PASSES
+    small = per_block * sum(len(blocks) for _, blocks in levels) <= BUDGET.v_auto.small_screen_passes
+    budget = BUDGET.v_auto.screen_passes if planned_m == m else BUDGET.v_auto.large_screen_passes
     found: list[Result] = []
     top = None
     for edge, blocks in reversed(levels):
@@ -57,7 +51,7 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
         top = edge if top is None else top
         if not small:
             fitting = fitting[: max(int(budget // per_block), not found)]
-            if not fitting or edge < top - WINDOW * min(costs.mem_f) - EPS:
+            if not fitting or edge < top - BUDGET.v_auto.screen_window * min(costs.mem_f) - EPS:
                 break
             budget -= per_block * len(fitting)
         found += _level(p, planned_m, costs, fitting, sample, fits, squeeze=planned_m == m)
@@ -94,7 +88,7 @@ def _level(
     for _, ranked in sorted(screened.items()):
         seen: set[tuple[float, float, float]] = set()
         for score, index in sorted(ranked):
-            if len(seen) == FINALISTS:
+            if len(seen) == BUDGET.v_auto.finalists:
                 break
             if score not in seen and blocks[index] not in finalists:
                 seen.add(score)
@@ -135,5 +129,5 @@ def _squeezed(p: int, m: int, costs: CostModel, block: Offsets) -> Result:
 
 
 def _reordered(p: int, m: int, costs: CostModel, block: Offsets, fill: bool) -> Result | None:
-    orders = reordered_orders(p, m, list(block), fill)
-    return None if orders is None else timed(orders, v_shape(p), costs, m)
+    codes = reordered_codes(p, m, list(block), fill)
+    return None if codes is None else timed_codes(codes, v_shape(p), costs, m)

@@ -14,7 +14,7 @@ phases as a whole instead, in the same slot model (unit passes; memory F +1, W -
    the B1s right after it), the Ws they free are taken out and put back into the first empty
    slots after the rank's last remaining W; pack;
 5. label each W with the oldest B that has none (the slot model does not tell which chunk's W
-   runs).
+   runs: ``v_blocks.item_codes``).
 
 A block whose rewrite would break a dependency, need more memory than its packed peak or put
 two passes in one slot is given up (None); v-auto keeps the squeezed block for it.
@@ -22,9 +22,12 @@ two passes in one slot is given up (None); v-auto keeps the squeezed block for i
 
 from __future__ import annotations
 
-from ..ir import B, F, Pass, W
+from ..ir import Pass
+from ..placement import v_shape
+from .result import encoding_of
+from .v_blocks import B0, B1, F0, F1, item_codes, pack, w_slots
 
-F0, F1, B1, B0, W1, W0 = range(6)  # a microbatch's passes on a rank of the V (W1: the late chunk's W)
+W1, W0 = 4, 5  # the late chunk's W and the early chunk's, after F0, F1, B1, B0 (v_blocks.py)
 RISE = (1, 1, 0, 0, -1, -1)
 Item = tuple[int, int]  # (type, microbatch)
 Orders = list[list[Item]]
@@ -34,45 +37,50 @@ def reordered_orders(
     p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
 ) -> list[list[Pass]] | None:
     """Per-rank orders of the block ``offsets`` (microbatch 0's slots of F0, F1, B1, B0 per rank)."""
+    codes = reordered_codes(p, m, offsets, fill)
+    return None if codes is None else [list(map(encoding_of((v_shape(p),), m).decode, row)) for row in codes]
+
+
+def reordered_codes(
+    p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
+) -> list[list[int]] | None:
+    """``reordered_orders`` as codes (``timing.Encoding`` of the V), for timing them."""
     reps = max(m, 2 * p)
     orders = _repeat(offsets, reps)
-    slots = _pack(orders, p, reps)
+    slots = pack(p, reps, orders)
     if slots is None:
         return None
     bound = _peak(orders)
     if bound > 2 * p:
         return None
     orders = [_warm_up(order, i, p, bound, reps) for i, order in enumerate(orders)]
-    slots = _pack(orders, p, reps)
+    slots = pack(p, reps, orders)
     if slots is None or _peak(orders) > bound:
         return None
     if m < reps:
         orders = [_drop_extra_ws([(t, k) for t, k in order if k < m or t >= W1], m) for order in orders]
-        slots = _pack(orders, p, m)
+        slots = pack(p, m, orders)
         if slots is None:
             return None
         bound = _peak(orders)
     orders = _cool_down(orders, slots, p, m, _peak(orders))
     if orders is None:
         return None
-    slots = _pack(orders, p, m)
+    slots = pack(p, m, orders)
     if slots is None:
         return None
     if fill:
         orders = _fill_gaps(orders, slots, p, m, _peak(orders))
     if _peak(orders) > bound:
         return None
-    return _labelled(orders, p)
+    return item_codes(p, m, orders)
 
 
 def _repeat(offsets: list[tuple[int, int, int, int]], reps: int) -> Orders:
     """Each rank's order of the block repeated ``reps`` times; W1 and W0 take the first free residues."""
     orders = []
     for f0, f1, b1, b0 in offsets:
-        used = {f0 % 6, f1 % 6, b1 % 6, b0 % 6}
-        w1 = b1 + 1 + next(j for j in range(6) if (b1 + 1 + j) % 6 not in used)
-        used.add(w1 % 6)
-        w0 = b0 + 1 + next(j for j in range(6) if (b0 + 1 + j) % 6 not in used)
+        w1, w0 = w_slots(f0, f1, b1, b0)
         bases = ((f0, F0), (f1, F1), (b1, B1), (b0, B0), (w1, W1), (w0, W0))
         orders.append([(t, k) for _, k, t in sorted((s + 6 * k, k, t) for s, t in bases for k in range(reps))])
     return orders
@@ -86,34 +94,6 @@ def _peak(orders: Orders) -> int:
             level += RISE[t]
             peak = max(peak, level)
     return peak
-
-
-def _pack(orders: Orders, p: int, m: int) -> list[list[int]] | None:
-    """Slot of every pass, as early as its rank's order and its input allow; None if the orders stall."""
-    done = [[[-1] * m for _ in range(4)] for _ in range(p)]  # rank -> type -> microbatch -> slot
-    slots: list[list[int]] = [[] for _ in range(p)]
-    at, free = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r, order in enumerate(orders):
-            i, slot, mine = at[r], free[r], slots[r]
-            while i < len(order):
-                t, k = order[i]
-                if t < W1:
-                    source = _source(p, r, t)
-                    if source is not None:
-                        ready = done[source][t][k]
-                        if ready < 0:
-                            break
-                        slot = max(slot, ready + 1)
-                    done[r][t][k] = slot
-                mine.append(slot)
-                slot += 1
-                i += 1
-            if i > at[r]:
-                at[r], free[r], progress = i, slot, True
-    return slots if all(i == len(order) for i, order in zip(at, orders, strict=True)) else None
 
 
 def _source(p: int, r: int, t: int) -> int | None:
@@ -287,24 +267,3 @@ def _numbered(order: list[Item]) -> list[Item]:
         out.append((t, seen[t]))
         seen[t] += 1
     return out
-
-
-def _labelled(orders: Orders, p: int) -> list[list[Pass]] | None:
-    """Passes of the blocks; each W belongs to the oldest B of the rank still without one."""
-    result = []
-    for r, order in enumerate(orders):
-        early, late = r, 2 * p - 1 - r
-        waiting: list[Pass] = []
-        passes = []
-        for t, k in order:
-            if t >= W1:
-                if not waiting:
-                    return None
-                passes.append(waiting.pop(0))
-                continue
-            block = early if t in (F0, B0) else late
-            passes.append((F if t in (F0, F1) else B)(block, k))
-            if t in (B1, B0):
-                waiting.append(W(block, k))
-        result.append(passes)
-    return result

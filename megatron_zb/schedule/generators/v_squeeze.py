@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..ir import B, F, Pass, W
+from .v_blocks import B0, B1, F0, F1, pack
 
-F0, F1, B1, B0, WS = range(5)  # slot types on a rank: the V's four passes of a microbatch, and W
+WS = 4  # slot types on a rank: the V's four passes of a microbatch (v_blocks.py), and W
 RISE = (1, 1, 0, 0, -1)  # slot-model memory per pass (chunk activations)
 
 Offsets = Callable[[int, int], list[int]]
@@ -35,11 +36,11 @@ def squeezed_orders(p: int, m: int, offsets: Offsets) -> list[list[Pass]]:
     for ranks in slots:
         ranks.append(_ws_after_bs(ranks, split=False)[0])
     _Squeeze(slots, p, m, explicit_w=True).run()
-    slots = [ranks[:4] for ranks in _as_early_as_possible(slots, p)]
+    slots = [ranks[:4] for ranks in _as_early_as_possible(slots, p, m)]
     _Squeeze(slots, p, m, explicit_w=False).run()
     for ranks in slots:
         ranks.append(_ws_after_bs(ranks, split=False)[0])
-    slots = [ranks[:4] for ranks in _as_early_as_possible(slots, p)]
+    slots = [ranks[:4] for ranks in _as_early_as_possible(slots, p, m)]
     orders = []
     for r, ranks in enumerate(slots):
         early, late = r, 2 * p - 1 - r
@@ -92,30 +93,15 @@ def _inputs(p: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
     return found
 
 
-def _as_early_as_possible(slots: Slots, p: int) -> Slots:
-    """Close the gaps: unit-time ASAP starts of every rank's slot order (Ws follow their slot order only).
-
-    Every input sits in an earlier slot, so one pass over all slots in order sees inputs first.
-    """
-    types = len(slots[0])
-    events = sorted((s, r, t, k) for r in range(p) for t in range(types) for k, s in enumerate(slots[r][t]))
-    start: Slots = [[[0] * len(slots[r][t]) for t in range(types)] for r in range(p)]
-    free = [0] * p
-    last = p - 1
-    for _, r, t, k in events:
-        mine = start[r]
-        ready = free[r]
-        if k and mine[t][k - 1] >= ready:
-            ready = mine[t][k - 1] + 1
-        if 0 < t < WS and mine[t - 1][k] >= ready:
-            ready = mine[t - 1][k] + 1
-        if t == F0 or t == B1:
-            if r and start[r - 1][t][k] >= ready:
-                ready = start[r - 1][t][k] + 1
-        elif (t == F1 or t == B0) and r < last and start[r + 1][t][k] >= ready:
-            ready = start[r + 1][t][k] + 1
-        mine[t][k] = ready
-        free[r] = ready + 1
+def _as_early_as_possible(slots: Slots, p: int, m: int) -> Slots:
+    """Close the gaps: every rank's slot order run as early as possible, one slot per pass (v_blocks.pack)."""
+    orders = [sorted((slot, t, k) for t, row in enumerate(ranks) for k, slot in enumerate(row)) for ranks in slots]
+    packed = pack(p, m, [[(t, k) for _, t, k in order] for order in orders])
+    assert packed is not None, "every input sits in an earlier slot"
+    start: Slots = [[[0] * len(row) for row in ranks] for ranks in slots]
+    for r, (order, at) in enumerate(zip(orders, packed, strict=True)):
+        for (_, t, k), slot in zip(order, at, strict=True):
+            start[r][t][k] = slot
     return start
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir import Pass, PassKind, Schedule, ScheduleError
+from ..ir import Schedule, ScheduleError
 from ..placement import interleaved, linear
 from ..registry import ScheduleSpec, register
 from . import interleaved as interleaved_1f1b
 from . import one_f_one_b, zb_h1, zb_h2
 from .common import linear_schedule
-from .search import searched
+from .moves import defer, split_backward
+from .search import plan, searched
 from .torch_style import interleaved_zb_orders
 from .zb_rounds import ROUND_SWITCHES, round_orders
 
@@ -29,26 +30,16 @@ HANDMADE = {"1f1b": one_f_one_b.rank_order, "zb-h1": zb_h1.rank_order, "zb-h2": 
 def zb_auto(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
     if spec.chunks is not None and spec.chunks > 1:
         placement = interleaved(spec.pp, spec.chunks)
-        return searched(name, spec, placement, limit, interleaved_seeds(name, spec))
+        return plan(searched(name, spec, placement, limit, interleaved_seeds(name, spec)))
     linear_schedule(name, spec, lambda r, p, m: [])  # refuses --chunks < 1
-    seeds = [split_backward(linear_schedule(name, spec, order)) for order in HANDMADE.values()]
+    seeds = [split(linear_schedule(name, spec, order)) for order in HANDMADE.values()]
     costs = spec.cost_model()
     planners = [(lambda m, s=setting: round_orders(costs, m, limit, s)) for setting in ROUND_SWITCHES]
-    return searched(name, spec, linear(spec.pp), limit, seeds, planners, lean=True)
+    return plan(searched(name, spec, linear(spec.pp), limit, seeds, planners, lean=True))
 
 
-def split_backward(schedule: Schedule) -> Schedule:
-    """Each fused BW as B then W at once: the same times and peak, and the schedule stays split."""
-    orders = []
-    for order in schedule.orders:
-        split: list[Pass] = []
-        for p in order:
-            if p.kind is PassKind.BW:
-                split += [Pass(PassKind.B, p.stage, p.microbatch), Pass(PassKind.W, p.stage, p.microbatch)]
-            else:
-                split.append(p)
-        orders.append(tuple(split))
-    return Schedule(schedule.name, schedule.placements, schedule.microbatches, tuple(orders))
+def split(schedule: Schedule) -> Schedule:
+    return replace(schedule, orders=split_backward(schedule.orders))
 
 
 def interleaved_seeds(name: str, spec: ScheduleSpec) -> list[Schedule]:
@@ -57,14 +48,10 @@ def interleaved_seeds(name: str, spec: ScheduleSpec) -> list[Schedule]:
     placement = interleaved(spec.pp, spec.chunks)
     seeds = [Schedule(name, (placement,), spec.microbatches, tuple(map(tuple, zero_bubble)))]
     try:
-        at_once = split_backward(interleaved_1f1b.generate(replace(spec, memory_limit=None)))
+        at_once = split(interleaved_1f1b.generate(replace(spec, memory_limit=None)))
     except ScheduleError:
         return seeds
-    deferred = tuple(
-        tuple([p for p in order if p.kind is not PassKind.W] + [p for p in order if p.kind is PassKind.W])
-        for order in at_once.orders
-    )
-    return [*seeds, at_once, Schedule(name, at_once.placements, at_once.microbatches, deferred)]
+    return [*seeds, at_once, replace(at_once, orders=defer(at_once.orders))]
 
 
 def preset_limit(spec: ScheduleSpec, factor: int) -> float:
@@ -72,7 +59,11 @@ def preset_limit(spec: ScheduleSpec, factor: int) -> float:
     return factor * spec.pp * max(spec.cost_model().mem_f)
 
 
-@register("zb-auto", "automatic zero bubble: best schedule under --memory-limit (unlimited if not given); --chunks v")
+@register(
+    "zb-auto",
+    "automatic zero bubble: best schedule under --memory-limit (unlimited if not given); --chunks v",
+    options=("memory_limit",),
+)
 def generate(spec: ScheduleSpec) -> Schedule:
     return zb_auto("zb-auto", spec, spec.memory_limit)
 

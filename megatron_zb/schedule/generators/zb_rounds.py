@@ -8,8 +8,8 @@ every stage as many Fs as end (or start, with ``overrun``) before microbatch 0's
 within the memory limit, and fewer than the stage before it. Whenever a stage would wait for
 an input it runs pending Ws: all that end before the input arrives, then one more if the wait
 is longer than the bubble it may still afford (the largest bubble of any stage so far) or if
-``eager_w``. Times are exact for the order (each pass starts when its rank and input are
-ready), so the result's stage span is the simulator's.
+``eager_w``. Each pass is placed on a ``timing.Clock`` as it is chosen, so the result's times
+are the simulator's.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..costs import CostModel
-from ..ir import ScheduleError
-from .greedy import EPS
-from .result import B_CODE as B
-from .result import F_CODE as F
-from .result import W_CODE as W
-from .result import Result
+from ..ir import PassKind, ScheduleError
+from ..placement import linear
+from ..timing import EPS, Clock
+from .result import Result, model_of
+
+KINDS = (PassKind.F, PassKind.B, PassKind.W)
+F, B, W = range(3)  # positions in KINDS: the tables below are indexed by them
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,14 @@ class _Rounds:
         n = costs.pp
         self.n, self.m, self.sw = n, m, switches
         self.limit = float("inf") if limit is None else limit + EPS
-        self.comm = costs.t_comm if n > 1 else 0.0
-        self.cost = (costs.t_f, costs.t_b, costs.t_w)  # indexed by pass kind (F, B, W)
-        self.delta = (costs.mem_f, costs.mem_b, costs.mem_w)
-        self.done = ([0] * n, [0] * n, [0] * n)
-        self.end = ([[0.0] * m for _ in range(n)], [[0.0] * m for _ in range(n)])
-        self.max_bubble = 0.0
-        self.free, self.first = [0.0] * n, [None] * n
-        self.bubble, self.mem, self.peak = [0.0] * n, [0.0] * n, [0.0] * n
-        self.pending: list[deque[int]] = [deque() for _ in range(n)]
-        self.orders: list[list[int]] = [[] for _ in range(n)]  # encoded passes (result.py)
+        self.clock = Clock(model_of((linear(n),), m, costs))
+        model = self.clock.model
+        self.encoding, self.comm = model.encoding, model.comm
+        self.base = [self.encoding.code(kind, 0, 0) for kind in KINDS]  # + stage * m + microbatch
+        self.cost = [[model.duration(base + s * m) for s in range(n)] for base in self.base]
+        self.delta = [[model.delta(base + s * m) for s in range(n)] for base in self.base]
+        self.done = [[0] * n, [0] * n]  # Fs and Bs run, per stage
+        self.pending: list[deque[int]] = [deque() for _ in range(n)]  # microbatches of the Ws to run, oldest first
 
     def run(self) -> Result:
         self._warm_up()
@@ -69,50 +68,43 @@ class _Rounds:
         for s in range(self.n):
             while self.pending[s]:
                 self._put(s, W)
-        spans = [self.free[s] - self.first[s] for s in range(self.n)]
-        return Result(self.orders, self.n, self.m, max(spans), max(self.free) - min(self.first), max(self.peak))
+        return Result.of_clock(self.clock)
+
+    def _time(self, s: int, kind: int) -> float:
+        return self.cost[kind][s]
+
+    def _delta(self, s: int, kind: int) -> float:
+        return self.delta[kind][s]
 
     def _arrival(self, s: int, kind: int) -> float:
         """When the input of the stage's next F or B is ready on its rank."""
-        k = self.done[kind][s]
-        if kind == F:
-            return self.end[F][s - 1][k] + self.comm if s else 0.0
-        if s == self.n - 1:
-            return self.end[F][s][k]
-        return self.end[B][s + 1][k] + self.comm
+        return self.clock.ready(self.base[kind] + s * self.m + self.done[kind][s])
 
     def _put(self, s: int, kind: int) -> None:
-        k = self.pending[s].popleft() if kind == W else self.done[kind][s]  # Ws run oldest first
-        ready = self.end[B][s][k] if kind == W else self._arrival(s, kind)
-        start = max(self.free[s], ready)
-        if self.first[s] is None:
-            self.first[s] = start
-        elif start > self.free[s]:
-            self.bubble[s] += start - self.free[s]
-            self.max_bubble = max(self.max_bubble, self.bubble[s])
-        self.free[s] = start + self.cost[kind][s]
-        if kind != W:
-            self.end[kind][s][k] = self.free[s]
+        code = self.base[kind] + s * self.m + (self.pending[s][0] if kind == W else self.done[kind][s])
+        if not self.clock.place(code):
+            raise ScheduleError(f"the rounds placed {self.encoding.decode(code)} before its input")
+        if kind == W:
+            self.pending[s].popleft()
+        else:
+            self.done[kind][s] += 1
         if kind == B:
-            self.pending[s].append(k)
-        self.mem[s] += self.delta[kind][s]
-        self.peak[s] = max(self.peak[s], self.mem[s])
-        self.done[kind][s] += 1
-        self.orders[s].append((kind * self.n + s) * self.m + k)
+            self.pending[s].append(code % self.m)
 
     def _make_room(self, s: int, kind: int) -> None:
-        while self.mem[s] + self.delta[kind][s] > self.limit:
+        while self.clock.level[s] + self._delta(s, kind) > self.limit:
             if not self.pending[s]:
-                raise NoRoom(f"stage {s} cannot fit its next {'FBW'[kind]} under the memory limit")
+                raise NoRoom(f"stage {s} cannot fit its next {KINDS[kind]} under the memory limit")
             self._put(s, W)
 
     def _wait_with_ws(self, s: int, arrival: float) -> None:
         """Fill the wait for an input with pending Ws (see the module docstring)."""
-        while self.pending[s] and self.free[s] + self.cost[W][s] <= arrival + EPS:
+        clock = self.clock
+        while self.pending[s] and clock.free[s] + self._time(s, W) <= arrival + EPS:
             self._put(s, W)
-        if self.pending[s] and self.free[s] < arrival - EPS:
-            budget = self.max_bubble - self.bubble[s]
-            if self.sw.eager_w or arrival - self.free[s] > budget:
+        if self.pending[s] and clock.free[s] < arrival - EPS:
+            budget = clock.most_idle - clock.idle[s]
+            if self.sw.eager_w or arrival - clock.free[s] > budget:
                 self._put(s, W)
 
     def _step(self, s: int, kind: int, cross_rank: bool) -> None:
@@ -123,20 +115,20 @@ class _Rounds:
 
     def _warm_up(self) -> None:
         """Microbatch 0's F on every stage, the extra Fs that fit before its B returns, then its B."""
-        n, m = self.n, self.m
+        n, m, clock = self.n, self.m, self.clock
         for s in range(n):
             self._step(s, F, s > 0)
         extra = [0] * n
-        back = self.free[n - 1] + self.cost[B][n - 1]  # when the last stage's B of microbatch 0 ends
+        back = clock.free[n - 1] + self._time(n - 1, B)  # when the last stage's B of microbatch 0 ends
         for s in range(n - 2, -1, -1):
-            mem, t = self.mem[s], self.free[s]
-            while self.done[F][s] + extra[s] < m and mem + self.delta[F][s] <= self.limit:
-                if (t >= back + self.comm) if self.sw.overrun else (t + self.cost[F][s] > back + self.comm + EPS):
+            mem, t = clock.level[s], clock.free[s]
+            while self.done[F][s] + extra[s] < m and mem + self._delta(s, F) <= self.limit:
+                if (t >= back + self.comm) if self.sw.overrun else (t + self._time(s, F) > back + self.comm + EPS):
                     break
-                mem += self.delta[F][s]
-                t += self.cost[F][s]
+                mem += self._delta(s, F)
+                t += self._time(s, F)
                 extra[s] += 1
-            back = max(t, back + self.comm) + self.cost[B][s]
+            back = max(t, back + self.comm) + self._time(s, B)
         for s in range(1, n):  # each stage holds fewer forwards than the one before it
             if self.done[F][s] + extra[s] < m:
                 extra[s] = max(0, min(extra[s], extra[s - 1] - 1))
@@ -166,14 +158,15 @@ class _Rounds:
 
     def _f_pays_off(self, s: int) -> bool:
         """Whether a stage already ahead should run an F now rather than wait for its B."""
-        back = self.free[s + 1] + self.cost[F][s + 1] + self.cost[B][s + 1] + self.comm
-        if self.free[s] >= back:
+        clock = self.clock
+        back = clock.free[s + 1] + self._time(s + 1, F) + self._time(s + 1, B) + self.comm
+        if clock.free[s] >= back:
             return False
-        room, extra, queue = self.mem[s] + self.delta[F][s], 0.0, len(self.pending[s])
+        room, extra, queue = clock.level[s] + self._delta(s, F), 0.0, len(self.pending[s])
         while room > self.limit and queue:
-            room += self.delta[W][s]
-            extra += self.cost[W][s]
+            room += self._delta(s, W)
+            extra += self._time(s, W)
             queue -= 1
-        if self.free[s] + self.cost[F][s] + extra <= back:
+        if clock.free[s] + self._time(s, F) + extra <= back:
             return True
-        return back - self.free[s] > self.max_bubble - self.bubble[s]
+        return back - clock.free[s] > clock.most_idle - clock.idle[s]

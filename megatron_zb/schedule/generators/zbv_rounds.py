@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..costs import CostModel
-from ..ir import ScheduleError
-from ..placement import Placement, v_shape
-from .greedy import EPS
-from .result import B_CODE, F_CODE, W_CODE, Result
+from ..ir import PassKind, ScheduleError
+from ..placement import v_shape
+from ..timing import EPS, Clock
+from .budget import BUDGET
+from .result import Result, model_of
 from .zb_rounds import NoRoom
 
 F0, F1, B1, B0 = range(4)  # a microbatch's passes on a rank of the V, in dependency order
-MAX_RERUNS = 8  # reruns with the previous run's bubbles as allowances; they stop once one does not help
 
 
 @dataclass(frozen=True)
@@ -43,63 +43,50 @@ class Unready(ScheduleError):
 
 def v_round_orders(costs: CostModel, microbatches: int, limit: float | None, switches: VRoundSwitches) -> Result:
     """The best of repeated runs, each allowing the bubbles of the one before; raises NoRoom or Unready."""
-    placement = v_shape(costs.pp)
-    best = _VRounds(placement, costs, microbatches, limit, switches, None).run()
-    for _ in range(MAX_RERUNS):
+    best = _VRounds(costs, microbatches, limit, switches, None).run()
+    for _ in range(BUDGET.v_round_reruns):
         try:
-            again = _VRounds(placement, costs, microbatches, limit, switches, best.bubble).run()
+            again = _VRounds(costs, microbatches, limit, switches, best.clock.idle).run()
         except (NoRoom, Unready):
-            return best.result
-        if max(again.bubble) >= max(best.bubble) - EPS:
+            return Result.of_clock(best.clock)
+        if max(again.clock.idle) >= max(best.clock.idle) - EPS:
             break
         best = again
-    return best.result
-
-
-@dataclass
-class _Run:
-    result: Result
-    bubble: list[float]
+    return Result.of_clock(best.clock)
 
 
 class _VRounds:
     def __init__(
-        self,
-        placement: Placement,
-        costs: CostModel,
-        m: int,
-        limit: float | None,
-        switches: VRoundSwitches,
-        allowed: list[float] | None,
+        self, costs: CostModel, m: int, limit: float | None, switches: VRoundSwitches, allowed: list[float] | None
     ):
-        p, n = placement.pp, placement.num_stages
+        p = costs.pp
         self.p, self.m, self.sw = p, m, switches
         self.limit = float("inf") if limit is None else limit + EPS
-        self.comm = costs.t_comm
-        self.rank = [placement.rank_of(b) for b in range(n)]
-        full = [placement.full_stage(b) for b in range(n)]
-        self.tf = [costs.t_f[s] / 2 for s in full]
-        self.tb = [costs.t_b[s] / 2 for s in full]
-        self.tw = [costs.t_w[s] / 2 for s in full]
-        self.df = [costs.mem_f[s] / 2 for s in full]
-        self.db = [costs.mem_b[s] / 2 for s in full]
-        self.dw = [costs.mem_w[s] / 2 for s in full]
-        self.n = n
-        # block of each pass type on rank r
-        self.block = [(r, 2 * p - 1 - r, 2 * p - 1 - r, r) for r in range(p)]
-        self.count = [[0] * 4 for _ in range(p)]
-        self.f_end = [[-1.0] * m for _ in range(n)]
-        self.b_end = [[-1.0] * m for _ in range(n)]
-        self.free, self.first = [0.0] * p, [None] * p
-        self.bubble, self.mem, self.peak = [0.0] * p, [0.0] * p, [0.0] * p
-        self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-        self.orders: list[list[int]] = [[] for _ in range(p)]  # encoded passes (result.py)
-        self.max_bubble = 0.0
-        self.source = self._sources()
+        self.clock = Clock(model_of((v_shape(p),), m, costs))
+        model, code = self.clock.model, self.clock.model.encoding.code
+        # per rank and pass (F0, F1, B1, B0): the code of microbatch 0, then + k
+        self.base = [
+            (
+                code(PassKind.F, r, 0),
+                code(PassKind.F, 2 * p - 1 - r, 0),
+                code(PassKind.B, 2 * p - 1 - r, 0),
+                code(PassKind.B, r, 0),
+            )
+            for r in range(p)
+        ]
+        # per rank and pass: what it takes, allocates, whether its input crosses ranks; for B1 and B0 their W's code
+        self.time = [[model.duration(c) for c in row] for row in self.base]
+        self.delta = [[model.delta(c) for c in row] for row in self.base]
+        self.remote = [[model.remote[c // m] for c in row] for row in self.base]
+        self.weight = [(0, 0, code(PassKind.W, 2 * p - 1 - r, 0), code(PassKind.W, r, 0)) for r in range(p)]
+        self.w_time = [(model.duration(w1), model.duration(w0)) for _, _, w1, w0 in self.weight]
+        self.count = [[0] * 4 for _ in range(p)]  # per rank and pass: how many ran
+        self.known = [[-1.0] * 4 for _ in range(p)]  # when the next one's input arrives (-1: not known yet)
+        self.pending: list[deque[tuple[int, float]]] = [deque() for _ in range(p)]  # (W code, its time), oldest first
         allowed = allowed or [0.0] * p
         self.allowance = [max(allowed) - a for a in allowed]
 
-    def run(self) -> _Run:
+    def run(self) -> _VRounds:
         self._warm_up()
         for _ in range(2 * self.m):
             self._b_round()
@@ -109,91 +96,57 @@ class _VRounds:
                 self._put_w(r)
         if any(sum(c) < 4 * self.m for c in self.count):
             raise Unready("the V rounds ended before every pass ran")
-        spans = [self.free[r] - self.first[r] for r in range(self.p)]
-        result = Result(self.orders, self.n, self.m, max(spans), max(self.free) - min(self.first), max(self.peak))
-        return _Run(result, self.bubble)
+        return self
 
     # -- inputs -------------------------------------------------------------------------------
-    def _input(self, r: int, kind: int) -> tuple[float, bool]:
-        """(time the input of rank r's next pass of this kind is ready or -1, whether it crosses ranks)."""
-        ends, lag, cross = self.source[r][kind]
-        if ends is None:
-            return 0.0, False
-        end = ends[self.count[r][kind]]
-        return (-1.0, False) if end < 0 else (end + lag, cross)
+    def _next(self, r: int, kind: int) -> int:
+        return self.base[r][kind] + self.count[r][kind]
 
-    def _sources(self) -> list[list[tuple[list[float] | None, float, bool]]]:
-        """Per rank and pass kind: the end times its input is read from, the latency, whether it crosses ranks."""
-        table = []
-        for r in range(self.p):
-            row = []
-            for kind in (F0, F1, B1, B0):
-                b = self.block[r][kind]
-                if kind in (F0, F1):
-                    src, ends = b - 1, (self.f_end[b - 1] if b else None)
-                elif b == self.n - 1:
-                    src, ends = b, self.f_end[b]
-                else:
-                    src, ends = b + 1, self.b_end[b + 1]
-                cross = ends is not None and self.rank[src] != r
-                row.append((ends, self.comm if cross else 0.0, cross))
-            table.append(row)
-        return table
+    def _input(self, r: int, kind: int) -> float:
+        """When the input of rank r's next pass of this kind is ready (-1: not yet, or none left)."""
+        known = self.known[r]
+        if known[kind] < 0 and self.count[r][kind] < self.m:
+            ready = self.clock.ready(self.base[r][kind] + self.count[r][kind])
+            known[kind] = -1.0 if ready is None else ready  # once known, an arrival stays
+        return known[kind]
 
     # -- placing passes -----------------------------------------------------------------------
-    def _start(self, r: int, ready: float, duration: float) -> float:
-        start = max(self.free[r], ready)
-        if self.first[r] is None:
-            self.first[r] = start
-        elif start > self.free[r]:
-            self.bubble[r] += start - self.free[r]
-            self.max_bubble = max(self.max_bubble, self.bubble[r])
-        self.free[r] = start + duration
-        return self.free[r]
-
     def _put(self, r: int, kind: int) -> None:
-        b, k = self.block[r][kind], self.count[r][kind]
-        if k >= self.m:
+        if self.count[r][kind] >= self.m:
             raise Unready(f"rank {r} has no pass of kind {kind} left")
-        ready, _ = self._input(r, kind)
-        if ready < 0:
-            raise Unready(f"rank {r}: the input of block {b} microbatch {k} is not there")
-        is_f = kind in (F0, F1)
-        self._room(r, self.df[b] if is_f else self.db[b])
-        end = self._start(r, ready, self.tf[b] if is_f else self.tb[b])
-        (self.f_end if is_f else self.b_end)[b][k] = end
-        self.mem[r] += self.df[b] if is_f else self.db[b]
-        self.peak[r] = max(self.peak[r], self.mem[r])
+        code = self._next(r, kind)
+        if self._input(r, kind) < 0:
+            where = self.clock.model.encoding.decode(code)
+            raise Unready(f"rank {r}: the input of block {where.stage} microbatch {where.microbatch} is not there")
+        self._room(r, self.delta[r][kind])
+        self.clock.place(code)
         self.count[r][kind] += 1
-        self.orders[r].append(((F_CODE if is_f else B_CODE) * self.n + b) * self.m + k)
-        if not is_f:
-            self.pending[r].append((b, k))
+        self.known[r][kind] = -1.0
+        if kind >= B1:
+            self.pending[r].append((self.weight[r][kind] + code % self.m, self.w_time[r][kind - B1]))
 
     def _put_w(self, r: int) -> None:
-        b, k = self.pending[r].popleft()
-        self._start(r, self.b_end[b][k], self.tw[b])
-        self.mem[r] += self.dw[b]
-        self.orders[r].append((W_CODE * self.n + b) * self.m + k)
+        self.clock.place(self.pending[r].popleft()[0])
 
     def _room(self, r: int, delta: float) -> None:
-        while self.mem[r] + delta > self.limit:
+        while self.clock.level[r] + delta > self.limit:
             if not self.pending[r]:
                 raise NoRoom(f"rank {r} cannot fit its next pass under the memory limit")
             self._put_w(r)
 
     def _fill(self, r: int, kind: int, long_wait_w: bool) -> None:
         """Run pending Ws while the rank waits for an input from another rank."""
-        ready, cross = self._input(r, kind)
-        if not cross:
+        ready, clock = self._input(r, kind), self.clock
+        if ready < 0 or not self.remote[r][kind]:
             return
-        while self.pending[r] and ready >= self.free[r] + self.tw[self.pending[r][0][0]] - EPS:
+        while self.pending[r] and ready >= clock.free[r] + self.pending[r][0][1] - EPS:
             self._put_w(r)
-        budget = max(self.max_bubble, self.allowance[r]) - self.bubble[r]
-        if self.pending[r] and long_wait_w and ready - self.free[r] > budget + EPS:
+        budget = max(clock.most_idle, self.allowance[r]) - clock.idle[r]
+        if self.pending[r] and long_wait_w and ready - clock.free[r] > budget + EPS:
             self._put_w(r)
 
     def _step(self, r: int, kind: int, long_wait_w: bool) -> None:
-        self._room(r, self.df[self.block[r][kind]] if kind in (F0, F1) else 0.0)
+        self._room(r, self.delta[r][kind] if kind in (F0, F1) else 0.0)
         self._fill(r, kind, long_wait_w)
         self._put(r, kind)
 
@@ -204,12 +157,12 @@ class _VRounds:
             self._put(r, F0)
         for r in range(p - 1, -1, -1):
             if r < p - 1:
-                arrival, _ = self._input(r, F1)
-                reserve = self.df[self.block[r][F0]] * (2 + 2 * r)
+                arrival = self._input(r, F1)
+                reserve = self.delta[r][F0] * (2 + 2 * r)
                 while (
                     self.count[r][F0] < m
-                    and self.mem[r] + reserve <= self.limit
-                    and self.free[r] + self.tf[self.block[r][F0]] <= arrival + EPS
+                    and self.clock.level[r] + reserve <= self.limit
+                    and self.clock.free[r] + self.time[r][F0] <= arrival + EPS
                 ):
                     for q in range(r + 1):
                         self._put(q, F0)
@@ -230,7 +183,7 @@ class _VRounds:
             c = self.count[r]
             if c[B0] >= c[B1]:
                 down.append(r)
-            elif r == p - 1 or c[B1] >= self.m or self._input(r, B0)[0] >= 0:
+            elif r == p - 1 or c[B1] >= self.m or self._input(r, B0) >= 0:
                 up.append(r)
             else:
                 down.append(r)
@@ -247,12 +200,12 @@ class _VRounds:
                 continue
             if c[F1] >= c[F0]:
                 kind = F0
-            elif r == p - 1 or self._input(r, F1)[0] >= 0:
+            elif r == p - 1 or self._input(r, F1) >= 0:
                 kind = F1
-            elif c[F0] < m and self._input(r, F0)[0] >= 0:
+            elif c[F0] < m and self._input(r, F0) >= 0:
                 kind = F0
             else:
                 continue
-            if self._input(r, kind)[0] < 0:
+            if self._input(r, kind) < 0:
                 continue
             self._step(r, kind, self.sw.fill_f)
