@@ -13,12 +13,13 @@ times whole orders; the validator runs them with zero costs to find deadlocks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .actions import spec
 from .costs import CostModel
 from .deps import inputs, roles
-from .ir import Pass, PassKind
+from .ir import Pass, PassKind, ScheduleError
 from .placement import Placement
 
 EPS = 1e-9  # times and memory levels within this are equal
@@ -82,6 +83,11 @@ class Model:
                 self.writes.append(tuple(self._row(role) for role in roles(p)))
                 needed = inputs(p, placement.num_stages)
                 self.inputs.append(tuple((self._row(role), placement.rank_of(role.stage) != rank) for role in needed))
+        if not all(math.isfinite(x) for x in (self.comm, *self.time, *self.memory)):
+            # CostModel refuses these: a backstop for costs set around it (timed, NaN would order nothing)
+            raise ScheduleError(
+                "the timing model got a NaN or infinite time or memory: the costs must be finite numbers"
+            )
         # per (kind, block), what ``Clock.place`` reads: rank, inputs, roles written, time, memory
         self.passes = list(zip(self.rank, self.inputs, self.writes, self.time, self.memory, strict=True))
         self.remote = [any(cross for _, cross in needed) for needed in self.inputs]  # an input crosses ranks
