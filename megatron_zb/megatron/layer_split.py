@@ -33,8 +33,10 @@ def _refusal(num_layers: int, placement: Placement, pad: bool) -> str:
     )
     even = _nearest(num_layers, blocks, 0, minimum=blocks)
     text = f"--num-layers {num_layers} does not split evenly into {where}; use --num-layers {even}"
-    if placement.kind == "v":
-        text = text.replace("; use", " (V needs an even number of layers per pipeline stage); use", 1)
+    if not placement.megatron_builds:  # our layout: each pipeline stage's layers split into its chunks
+        per_stage = f"a multiple of {placement.chunks} layers per pipeline stage"
+        needs = f" (the {placement.kind} placement needs {per_stage}); use"
+        text = text.replace("; use", needs, 1)
     padded = _nearest(num_layers, blocks, 2, minimum=2 * blocks - 2)
     pad_fits = (num_layers + 2) % blocks == 0 and num_layers + 2 >= 2 * blocks
     if pad:
@@ -42,7 +44,7 @@ def _refusal(num_layers: int, placement: Placement, pad: bool) -> str:
             f"{text}, or, as --allow-padding-num-layers is on (embedding and loss blocks take one layer fewer, "
             f"so num_layers + 2 must divide by {blocks}, at least one layer each), --num-layers {padded}"
         )
-    if placement.kind == "v" or pad_fits:
+    if not placement.megatron_builds or pad_fits:
         fits = "which fits this count" if pad_fits else f"which fits --num-layers {padded}"
         text += f", or pass --allow-padding-num-layers (embedding and loss blocks take one layer fewer, {fits})"
     return text

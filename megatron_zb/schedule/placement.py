@@ -39,6 +39,15 @@ class Placement:
     def stage_of(self, rank: int, chunk: int) -> int:
         return self.blocks.index((rank, chunk))
 
+    @property
+    def megatron_builds(self) -> bool:
+        """Whether megatron-core's own layer split builds it: block ``b`` on rank ``b % pp`` (linear, interleaved).
+
+        Others (the V, mirrored pipes) are built by megatron-zb's layout, which also pads.
+        """
+        base = self.chunk_base
+        return all((rank, chunk - base) == (b % self.pp, b // self.pp) for b, (rank, chunk) in enumerate(self.blocks))
+
     def full_stage(self, stage: int) -> int:
         """The 1/pp slice of the layers that this block belongs to (for per-stage costs)."""
         return stage // self.chunks

@@ -136,7 +136,7 @@ def _layout(args: argparse.Namespace):
 
     if len(args.placements) > 1:
         return None  # several pipes: each gets its own layout (build_pipes)
-    if args.placement.kind == "v" or args.allow_padding_num_layers:
+    if not args.placement.megatron_builds or args.allow_padding_num_layers:
         return layer_layout(args.num_layers, args.placement, args.allow_padding_num_layers)
     return None
 

@@ -373,7 +373,7 @@ CASES = [
     # model and batch shape
     ("--num-layers 18 does not split evenly into 4 layer blocks", lambda _: train("--num-layers 18")),
     (
-        "(V needs an even number of layers per pipeline stage)",
+        "(the v placement needs a multiple of 2 layers per pipeline stage)",
         lambda _: train("--zero-bubble-v-schedule --num-layers 12"),
     ),
     (

@@ -122,7 +122,7 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
     [
         (
             "--pipeline-schedule zb-v --num-layers 12",
-            ["zb-v: --num-layers 12", "8 layer blocks", "even number", "8 or 16"],
+            ["zb-v: --num-layers 12", "8 layer blocks", "a multiple of 2 layers per pipeline stage", "8 or 16"],
         ),
         (
             "--enable-zero-bubble --num-layers 6",
