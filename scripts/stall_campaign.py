@@ -4,8 +4,9 @@ Every run draws a stall (``megatron_zb.testing.stall.draw_stall``: the rank, pp 
 schedules or megatron-core's own 1F1B, the iteration, a model forward, the grad-norm all-reduce or the
 checkpoint save), trains with ``--distributed-timeout-minutes`` (default 1) and no other timeout flag, and
 checks that the launcher's report names that rank first, within the timeout + 10 s of the stall (measured to
-the launcher's exit, which comes after the report). ``--megatron-lm`` adds runs through Megatron-LM's own
-``pretrain()`` (megatron-core >= 0.17, or a checkout on the path). Several runs go at once (``--jobs``): a
+the moment its report line is read; the launcher's exit, after it ends the ranks, is shown too).
+``--megatron-lm`` adds runs through Megatron-LM's own ``pretrain()`` (megatron-core >= 0.17, or a checkout
+on the path). Several runs go at once (``--jobs``): a
 stalled run's ranks wait, idle.
 
     python scripts/stall_campaign.py --count 20 --jobs 4 --output docs/stall_campaign.md
@@ -37,7 +38,8 @@ class Outcome:
     fault: dict
     flags: list[str]
     named: int | None
-    seconds: float | None
+    seconds: float | None  # from the stall to the launcher's report line
+    exit_seconds: float | None  # from the stall to the launcher's exit
     traceback: bool
     code: int
 
@@ -54,13 +56,18 @@ class Outcome:
 
 def run(fault: dict, flags: list[str]) -> Outcome:
     command = [sys.executable, "-m", "megatron_zb.testing.stall", json.dumps(fault), *flags]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=fault["timeout_s"] + 600)
-    ended = time.time()
-    mark = Path(fault["mark"])
-    seconds = ended - float(mark.read_text()) if mark.exists() else None
-    named = NAMED.search(done.stderr)
-    return Outcome(fault, flags, int(named.group(1)) if named else None, seconds, "Traceback" in done.stderr,
-                   done.returncode)  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines, named, reported = [], None, None
+    for line in process.stderr:  # read as it comes: the report's time is when its line arrives
+        lines.append(line)
+        match = NAMED.search(line) if named is None else None
+        if match:
+            named, reported = int(match.group(1)), time.time()
+    process.wait(timeout=fault["timeout_s"] + 600)
+    ended, stderr, mark = time.time(), "".join(lines), Path(fault["mark"])
+    stalled = float(mark.read_text()) if mark.exists() else None
+    return Outcome(fault, flags, named, None if stalled is None or reported is None else reported - stalled,
+                   None if stalled is None else ended - stalled, "Traceback" in stderr, process.returncode)  # fmt: skip
 
 
 def campaign(count: int, timeout_s: float, seed: int, megatron_lm: int, folder: Path) -> list[tuple[dict, list]]:
@@ -96,12 +103,13 @@ def describe(outcome: Outcome) -> list[str]:
     route = "pretrain()" if "--megatron-lm" in flags else "launcher"
     point = fault["at"] + (f" #{fault['call']}" if fault["at"] == "forward" else "")
     seconds = "-" if outcome.seconds is None else f"{outcome.seconds:.1f}"
+    exit_seconds = "-" if outcome.exit_seconds is None else f"{outcome.exit_seconds:.1f}"
     return [route, schedule, pp, str(fault["rank"]), str(fault["iteration"]), point, fault["how"],
-            str(outcome.named), seconds, "yes" if outcome.passed else "**no**"]  # fmt: skip
+            str(outcome.named), seconds, exit_seconds, "yes" if outcome.passed else "**no**"]  # fmt: skip
 
 
 def table(outcomes: list[Outcome], timeout_s: float, elapsed: float, command: str) -> str:
-    header = ["route", "schedule", "pp", "rank", "iteration", "point", "how", "named", "s to exit", "ok"]
+    header = ["route", "schedule", "pp", "rank", "iteration", "point", "how", "named", "s to report", "s to exit", "ok"]
     rows = [header, ["---"] * len(header), *(describe(o) for o in outcomes)]
     passed = {how: sum(o.passed for o in outcomes if o.fault["how"] == how) for how in HOW}
     runs = {how: sum(o.fault["how"] == how for o in outcomes) for how in HOW}
@@ -110,8 +118,8 @@ def table(outcomes: list[Outcome], timeout_s: float, elapsed: float, command: st
         "",
         f"`{command}`: {len(outcomes)} random stalls with `--distributed-timeout-minutes {timeout_s / 60:g}` and no "
         f"other timeout flag, {elapsed / 60:.0f} min. A run passes when the launcher names the stalled rank first, "
-        f"within the timeout + 10 s of the stall (seconds measured to the launcher's exit, after its report), with "
-        "no traceback.",
+        f"within the timeout + 10 s of the stall (measured to the moment its report line is read; the launcher then "
+        "ends the ranks and exits, shown too), with no traceback.",
         "",
         *(f"- {how}: {passed[how]} of {runs[how]} named" for how in HOW),
         "",
