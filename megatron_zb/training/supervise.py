@@ -5,7 +5,8 @@ Every rank publishes a status record to the launcher's store four times a second
 and notes, on its own monotonic clock, when each rank's heartbeat last moved, and asks the OS which ranks'
 processes are stopped: a rank stopped by SIGSTOP, or frozen for longer than the timeout, cannot fake that,
 however fresh its last record looks. A report is printed once a rank fails on a
-timeout, waits past its timeout, or falls silent for longer than the timeout. It names, in order:
+timeout, waits past its timeout, falls silent for longer than the timeout, or makes no progress for longer
+than the timeout while another rank waits. It names, in order:
 
 1. the rank whose heartbeat went quiet first (stopped, or frozen), with its last published status as
    "last seen";
@@ -53,6 +54,23 @@ def timed_out(record: dict) -> bool:
 def overdue(record: dict, now: float) -> bool:
     wait = record.get("wait")
     return wait is not None and now - wait["since"] > wait["timeout_s"] + GRACE_S
+
+
+def stuck_too_long(records: dict[int, dict], now: float, limit_s: float) -> bool:
+    """Whether a live rank made no progress for ``limit_s`` while another waited half its timeout or more.
+
+    Judged from the stalled rank's last progress, not from when the others began to wait: on a loaded
+    machine they may reach their wait seconds after it stopped. The half keeps a rank that is slow to
+    start (imports, planning) from being named by a neighbour that has only just begun to wait.
+    """
+    waits = [record.get("wait") or record.get("failed") for record in records.values() if is_waiting(record)]
+    if not any(now - wait["since"] >= 0.5 * wait["timeout_s"] for wait in waits):
+        return False
+    return any(
+        now - record["progress_time"] > limit_s
+        for record in records.values()
+        if not is_waiting(record) and not record.get("done")
+    )
 
 
 class Heartbeats:
@@ -265,6 +283,7 @@ def supervise(
             any(timed_out(records[r]) for r in failed if r in records)
             or any(overdue(record, now) for record in records.values())
             or silent_too_long
+            or (limit is not None and stuck_too_long(records, now, limit + GRACE_S))
             or (failed and quiet and any(e in failure(failed[0]) for e in PEER_ERRORS))
         )
         if stalled:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_zb.training.supervise import stalled_ranks, timeout_report
+from megatron_zb.training.supervise import stalled_ranks, stuck_too_long, timeout_report
 from megatron_zb.training.watchdog import describe
 
 TIMEOUT_S = 4.0
@@ -161,6 +161,21 @@ def test_report_names_the_rank_without_progress_not_the_first_to_time_out() -> N
     busy = record(1, 99.9)
     assert describe(busy, 100.0) == "rank 1: busy, iteration 7"
     assert stalled_ranks({**records, 1: busy}, 3, now=100.0) == []
+
+
+def test_a_rank_without_progress_past_the_timeout_triggers_the_report_before_any_wait_runs_out() -> None:
+    """Counted from the stalled rank's last progress: the others reached their wait later (a loaded machine)."""
+    wait = {"what": "P2P with ranks 1", "since": 97.5, "timeout_s": 5.0, "peers": []}
+    records = {0: record(0, 97.5, wait), 1: record(1, 92.5, **{"pass": "F s1 mb3"})}
+    assert 100.0 - wait["since"] < wait["timeout_s"] + 2  # no wait is overdue yet
+    assert stuck_too_long(records, now=100.0, limit_s=7.0)  # 7.5 s without progress, rank 0 waited 2.5 s of 5
+    just_began = {0: record(0, 99.9, {**wait, "since": 99.9}), 1: records[1]}
+    assert not stuck_too_long(just_began, now=100.0, limit_s=7.0)  # rank 1 may still be starting up
+    assert not stuck_too_long(records, now=99.0, limit_s=7.0)  # 6.5 s
+    assert not stuck_too_long({1: records[1]}, now=100.0, limit_s=7.0)  # nobody waits for it
+    done = {**records[1], "done": True}
+    assert not stuck_too_long({0: records[0], 1: done}, now=100.0, limit_s=7.0)
+    assert stalled_ranks(records, 2, now=100.0) == [1]
 
 
 def test_a_silent_heartbeat_names_the_rank_that_went_quiet_first_whatever_its_last_record_says() -> None:
