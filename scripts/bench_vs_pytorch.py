@@ -11,7 +11,8 @@ executes. Each PyTorch order is compared with the best of our schedules (every r
 one, with one, two or four chunks where it takes them; as it is, or planned with the PyTorch
 order's peak as --memory-limit when it needs more) whose peak memory is at most the PyTorch
 order's, separately on the two bubble metrics; a row where PyTorch is better on either is
-marked LOSS.
+marked LOSS. ``auto`` at that peak is one of ours too: it weighs every family at 1, 2 and 4
+chunks and PyTorch's ZB-V, DualPipeV and interleaved zero-bubble orders by makespan.
 """
 
 from __future__ import annotations
@@ -52,12 +53,28 @@ def unit_costs(p: int) -> CostModel:
     return CostModel(p)
 
 
+def profile(w_over_b: float, comm: float, ends: float = 1.0):
+    """T_F = T_B = 1 (``ends`` times that on the first and last stage), T_W = w_over_b T_B, T_comm ``comm``."""
+
+    def costs(p: int) -> CostModel:
+        scale = [ends if s in (0, p - 1) else 1.0 for s in range(p)]
+        return CostModel(p, t_f=scale, t_b=scale, t_w=[w_over_b * x for x in scale], t_comm=comm)
+
+    return costs
+
+
 def gpt_costs(p: int) -> CostModel:
     """F 1.2 on the first and last stage (embedding, loss) else 1, B 1.1, W 0.7, comm 0.05."""
     return CostModel(p, t_f=[1.2 if s in (0, p - 1) else 1.0 for s in range(p)], t_b=1.1, t_w=0.7, t_comm=0.05)
 
 
-COSTS = {"unit": unit_costs, "GPT-like": gpt_costs}
+COSTS = {
+    "unit": unit_costs,
+    "GPT-like": gpt_costs,
+    "heavy ends": profile(0.5, 0.2, ends=1.5),
+    "light W": profile(0.2, 0.2),
+    "W = B": profile(1.0, 0.2),
+}
 
 
 def _stand_in_stages(p: int, per_rank: int) -> list[SimpleNamespace]:
@@ -139,6 +156,9 @@ def our_schedules(p: int, m: int, costs_label: str, limit: float) -> list[Ours]:
             planned = _timeline(name, p, m, chunks, costs_label, limit)
             if planned is not None and max(planned.peak_memory) <= limit + TOLERANCE:
                 found.append(Ours(f"{label} L{limit:g}", planned))
+    chosen = _timeline("auto", p, m, None, costs_label, limit)  # every chunk count, ranked by makespan
+    if chosen is not None:
+        found.append(Ours(f"{chosen.schedule.name} L{limit:g}", chosen))
     return found
 
 
@@ -213,14 +233,19 @@ def main() -> None:
         "Schedule1F1B is the order it executes (its `pipeline_order` drops the last rank's first forward in "
         "torch 2.13). Memory: F +1, B -0.5, W -0.5 per stage; peak in one microbatch's activations of a stage.",
         "",
+        "`auto` at that peak is among ours (every family at 1, 2 and 4 chunks and PyTorch's ZB-V, DualPipeV and "
+        "interleaved zero-bubble orders, by makespan).",
+        "",
         "Costs: unit (T_F = T_B = T_W = 1, no latency); GPT-like (T_F 1.2 on the first and last stage, else 1; "
-        "T_B 1.1; T_W 0.7; T_comm 0.05). LOSS marks a row where PyTorch's order has the smaller bubble.",
+        "T_B 1.1; T_W 0.7; T_comm 0.05); heavy ends (T_F = T_B = 1, 1.5 on the first and last stage, T_W/T_B 0.5, "
+        "T_comm 0.2); light W (T_F = T_B = 1, T_W 0.2, T_comm 0.2); W = B (T_F = T_B = T_W = 1, T_comm 0.2). "
+        "LOSS marks a row where PyTorch's order has the smaller bubble.",
     ]
     losses = []
     for costs_label in COSTS:
         for p in (4,) if args.quick else (4, 8):
             lines += ["", f"## {costs_label} costs, p={p}", "", *HEADER]
-            for m in (p, 2 * p, 3 * p, 4 * p, 8 * p):
+            for m in (p, p + p // 2, 2 * p, 3 * p, 4 * p, 8 * p):
                 for name, per_rank_options in TORCH_SCHEDULES.items():
                     for per_rank in per_rank_options:
                         text, lost = row(name, per_rank, p, m, costs_label)

@@ -216,6 +216,7 @@ class ZeroBubbleSettings:
     p2p_timeout_s: float
     breadth_first_microbatches: int | None = None  # breadth-first families: microbatches per group
     shared: tuple = ()  # blocks kept twice (Schedule.shared)
+    layers: int | None = None  # the model's, for ``auto`` (None with --allow-padding-num-layers)
 
     @property
     def placement(self) -> Placement:
@@ -254,6 +255,8 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
             f"--breadth-first-micro-batches/--depth-first-micro-batches have no effect on --pipeline-schedule {name}; "
             f"they group the microbatches of {', '.join(_breadth_first_schedules())}"
         )
+    pad = bool(getattr(args, "allow_padding_num_layers", False))
+    layers = None if pad else args.num_layers  # ``auto`` weighs only placements whose blocks split them
     try:
         spec = ScheduleSpec(
             pp,
@@ -262,13 +265,13 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
             memory_limit=memory_limit,
             post_validation=post_validation,
             breadth_first_microbatches=group,
+            layers=layers,
         )
         if name.startswith(FILE_PREFIX):
             _refuse_other_setting(args, name, microbatches, chunks)
         schedule = build_schedule(name, spec)
     except ScheduleError as error:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
-    pad = bool(getattr(args, "allow_padding_num_layers", False))
     check_layers(args.num_layers, schedule, pad)
     if schedule.shared and post_validation:
         raise ValueError(
@@ -289,6 +292,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         p2p_timeout_s=wait_timeout_s(args),
         breadth_first_microbatches=group,
         shared=schedule.shared,
+        layers=layers,
     )
 
 

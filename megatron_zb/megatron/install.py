@@ -140,6 +140,7 @@ def runner_for(settings: ZeroBubbleSettings):
             replan=window,
             post_validation=settings.post_validation,
             breadth_first_microbatches=settings.breadth_first_microbatches,
+            layers=settings.layers,
         )
     return _runners[settings]
 

@@ -48,8 +48,8 @@ __all__ = ["CONFIG_ATTRIBUTE", "ForwardBackward"]  # CONFIG_ATTRIBUTE: where meg
 class ForwardBackward:
     """Runs ``schedule`` (a registered name, or ``file:PATH``) with megatron-core's forward_backward contract.
 
-    ``memory_limit``, ``costs``, ``chunks``, ``post_validation`` and ``breadth_first_microbatches`` are passed
-    to the generator; ``timeout_s``
+    ``memory_limit``, ``costs``, ``chunks``, ``post_validation``, ``breadth_first_microbatches`` and ``layers``
+    are passed to the generator; ``timeout_s``
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
     ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
     computes the loss (V placements), because Megatron-LM reads and logs them only there.
@@ -72,6 +72,7 @@ class ForwardBackward:
         replan: ReplanWindow | None = None,
         post_validation: bool = False,
         breadth_first_microbatches: int | None = None,
+        layers: int | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
@@ -80,6 +81,7 @@ class ForwardBackward:
         self.refine_seconds = refine_seconds
         self.post_validation = post_validation
         self.breadth_first_microbatches = breadth_first_microbatches
+        self.layers = layers  # ``auto`` plans only placements whose blocks split them
         self.timeout_s = timeout_s
         self.profiler = profiler
         self.receive_lookahead = receive_lookahead
@@ -119,6 +121,7 @@ class ForwardBackward:
             self.refine_seconds,
             self.post_validation,
             self.breadth_first_microbatches,
+            self.layers,
         )
 
     @property

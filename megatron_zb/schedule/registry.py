@@ -30,6 +30,8 @@ class ScheduleSpec:
     post_validation: bool = False
     # breadth-first families: microbatches per group (None: all of them); m / group groups run in turn
     breadth_first_microbatches: int | None = None
+    # the model's layers, when known: ``auto`` passes over placements whose blocks do not split them
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_limit is not None and not (math.isfinite(self.memory_limit) and self.memory_limit > 0):
@@ -48,7 +50,8 @@ class Generator:
     generate: Callable[[ScheduleSpec], Schedule] = field(compare=False)
     composite: bool = False  # picks among the other schedules (``auto``); skipped when listing alternatives
     # optional ScheduleSpec fields it plans with (a flag for others has no effect): "breadth_first_microbatches",
-    # "memory_limit" (it plans under the limit; every other schedule is only refused when it does not fit)
+    # "memory_limit" (it plans under the limit; every other schedule is only refused when it does not fit),
+    # "chunks" (it plans any number of chunks per rank; the others run a fixed number)
     options: frozenset[str] = frozenset()
     weight_copies: int = 1  # copies of the model's weights per rank, against 1F1B's one (BitPipe: 2)
 

@@ -76,8 +76,9 @@ def test_post_validation_needs_two_iterations(capsys):
 
 
 def test_post_validation_picks_auto_by_stage_span(capsys):
-    """One iteration is enough for auto: the flag changes what it ranks by (zb-v by makespan, zb-2p by span)."""
-    setting = ["plan", "--schedule", "auto", "--pp", "4", "-m", "12", "--memory-limit", "12", "--format", "json"]
+    """One iteration is enough for auto: the flag changes what it ranks by (zb-1p on 4 chunks by makespan,
+    v-auto by span)."""
+    setting = ["plan", "--schedule", "auto", "--pp", "4", "-m", "8", "--memory-limit", "5", "--format", "json"]
     setting += ["--cost-f", "1.2,1,1,1.2", "--cost-b", "1.32,1.1,1.1,1.32", "--cost-w", "0.84,0.7,0.7,0.84"]
     setting += ["--cost-comm", "0.05"]
     picked = {}
@@ -85,4 +86,4 @@ def test_post_validation_picks_auto_by_stage_span(capsys):
         code, out, _ = run(capsys, *setting, *extra)
         assert code == 0
         picked[bool(extra)] = json.loads(out)["schedule"]
-    assert picked == {False: "auto (zb-v)", True: "auto (zb-2p)"}
+    assert picked == {False: "auto (zb-1p, 4 chunks)", True: "auto (v-auto)"}

@@ -72,6 +72,17 @@ def test_flags_select_the_schedule(extra: str, schedule: str, limit, kind: str) 
     assert args.placement.kind == kind
 
 
+@pytest.mark.parametrize("layers, chunks", [(16, 4), (8, 2), (4, 1)])
+def test_auto_builds_only_chunk_counts_that_split_the_layers(layers: int, chunks: int) -> None:
+    """auto weighs 1, 2 and 4 chunks; the model is built with its pick, so the layers must split into them."""
+    args = build_parser().parse_args(BASE + ["--pipeline-schedule", "auto", "--zero-bubble-memory-limit", "4"])
+    args.num_layers = layers
+    derive_and_check(args)
+    assert args.zero_bubble.layers == layers
+    assert args.placement.chunks == chunks, args.zero_bubble
+    assert layers % args.placement.num_stages == 0
+
+
 def test_interleaved_takes_any_number_of_microbatches() -> None:
     args = settings(
         "--pipeline-schedule interleaved-1f1b --virtual-pipeline-model-parallel-size 2 --global-batch-size 10"

@@ -35,9 +35,9 @@ def run_case(
     from megatron_zb.testing.toy_gpt import ToyGPT, forward_step, reference_step
 
     init_parallel(pp=pp)
-    runner = ForwardBackward(name, timeout_s=60, chunks=chunks)
-    schedule = runner.schedule_for(pp, m)
     toy = ToyGPT(llama=llama)
+    runner = ForwardBackward(name, timeout_s=60, chunks=chunks, layers=toy.layers)  # auto: chunks that split them
+    schedule = runner.schedule_for(pp, m)
     config = toy.config(pp, schedule.chunks)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = toy.chunks(config, schedule, rank)

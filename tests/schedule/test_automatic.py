@@ -1,11 +1,13 @@
 """Automatic schedules (zb-auto and presets, the V family, auto): the issue's acceptance bounds."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedule.costs import CostModel
-from megatron_zb.schedule.generators.auto import messages
+from megatron_zb.schedule.generators.auto import chunk_counts, messages
 from megatron_zb.schedule.generators.greedy import ALL_SWITCHES, greedy_orders
 from megatron_zb.schedule.generators.v_family import block_schedule, v_half_offsets, v_min_offsets
 from megatron_zb.schedule.ir import ScheduleError
@@ -141,21 +143,50 @@ def test_the_minimum_limit_itself_runs(name):
     assert max(result.peak_memory) <= 1.0
 
 
+def candidates(spec: ScheduleSpec):
+    """(label, timeline) of every family auto weighs, at each chunk count it takes (1, 2, 4), built alone."""
+    for name in names():
+        if get(name).composite or get(name).weight_copies > 1:  # auto keeps one copy of the weights
+            continue
+        many = "chunks" in get(name).options
+        for chunks in (1, 2, 4) if many else (None,):
+            try:
+                schedule = build(name, replace(spec, chunks=chunks), suggest=False)
+            except ScheduleError:
+                continue
+            label = f"{name}, {chunks} chunks" if many and schedule.chunks > 1 else name
+            yield label, simulate(schedule, spec.costs)
+
+
 def test_auto_picks_the_best_schedule_that_fits():
+    """Every family at every chunk count it takes, and PyTorch's orders: the shortest makespan wins."""
     p, m, limit = 4, 8, 3.5
     chosen = timeline("auto", p, m, limit=limit)
-    others = []
-    for name in names():
-        if name == "auto":
-            continue
-        try:
-            others.append((timeline(name, p, m, limit=limit).stage_span, name))
-        except ScheduleError:
-            continue
+    others = [
+        (other.makespan, other.stage_span, label) for label, other in candidates(ScheduleSpec(p, m, None, None, limit))
+    ]
     assert max(chosen.peak_memory) <= limit
-    assert chosen.stage_span == min(others)[0]
-    assert chosen.schedule.name == f"auto ({min(others)[1]})"
-    assert {name for _, name in others} >= {"v-half", "v-min", "v-auto", "zb-auto"}
+    assert (chosen.makespan, chosen.stage_span) <= min(others)[:2]
+    assert {label for *_, label in others} >= {"v-half", "v-min", "v-auto", "zb-auto", "zb-auto, 4 chunks"}
+    if (chosen.makespan, chosen.stage_span) == min(others)[:2]:
+        assert chosen.schedule.name in {
+            f"auto ({label})" for *score, label in others if tuple(score) == min(others)[:2]
+        }
+    else:
+        assert chosen.schedule.name.startswith("auto (PyTorch's ")
+
+
+def test_auto_searches_only_the_chunk_counts_that_split_the_layers():
+    spec = ScheduleSpec(4, 8, memory_limit=3.5)
+    assert chunk_counts(spec) == (1, 2, 4)
+    assert chunk_counts(replace(spec, layers=32)) == (1, 2, 4, 8)
+    assert chunk_counts(replace(spec, layers=12)) == (1,)
+    assert chunk_counts(replace(spec, chunks=2, layers=12)) == (2,)
+    assert build("auto", spec).chunks == 4  # the unconstrained pick
+    eight = build("auto", replace(spec, layers=8))
+    assert eight.chunks == 2 and eight.placement.num_stages == 8
+    twelve = build("auto", replace(spec, layers=12))
+    assert twelve.chunks == 1, twelve.name  # neither the V nor 2 or 4 chunks split 12 layers over 4 ranks
 
 
 def test_auto_explains_when_nothing_fits():
@@ -199,27 +230,14 @@ def test_auto_ranks_by_what_sets_the_iteration_time(post_validation):
     chosen = build("auto", spec)
     found = simulate(chosen, costs)
     best = []
-    for name in names():
-        if get(name).composite or get(name).weight_copies > 1:  # auto keeps one copy of the weights
-            continue
-        try:
-            other = simulate(build(name, spec, suggest=False), costs)
-        except ScheduleError:
-            continue
+    for label, other in candidates(spec):
         key = (other.stage_span, other.makespan) if post_validation else (other.makespan, other.stage_span)
         peak = round(max(other.peak_memory), 9)
-        best.append(
-            (
-                round(key[0], 9),
-                round(key[1], 9),
-                peak,
-                messages(other.schedule.placements, 12),
-                name.endswith("-auto"),
-                name,
-            )
-        )
+        family = label.split(",")[0]
+        crossings = messages(other.schedule.placements, 12)
+        best.append((round(key[0], 9), round(key[1], 9), peak, crossings, family.endswith("-auto"), label))
         if post_validation:
-            assert found.stage_span <= other.stage_span + 1e-9, name
+            assert found.stage_span <= other.stage_span + 1e-9, label
         else:
-            assert found.makespan <= other.makespan + 1e-9, name
+            assert found.makespan <= other.makespan + 1e-9, label
     assert chosen.name == f"auto ({min(best)[5]})"

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_zb.schedule.generators.torch_style import dualpipev_orders, interleaved_zb_orders, zbv_orders
 from megatron_zb.schedule.ir import Schedule, ScheduleError, parse_orders
 from megatron_zb.schedule.lower import DataParallel, lower
 from megatron_zb.schedule.placement import interleaved, linear, mirrored, v_shape
@@ -290,6 +291,29 @@ def test_pytorch_orders_import_validate_and_simulate_to_the_benchmark_makespans(
         timeline = simulate(schedule, bench.COSTS[costs](p))
         assert f"{timeline.makespan:.6g}" == makespan, (costs, p, m, name, per_rank)
         assert independent_makespan(schedule, costs == "GPT-like") == pytest.approx(timeline.makespan)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_the_pytorch_orders_we_seed_with_are_pytorchs(p):
+    """torch_style.py writes ZB-V, DualPipeV and interleaved zero bubble from their phase structure;
+    ``auto`` and the families start from them, so they must be exactly what PyTorch runs."""
+    bench = load_script("bench_vs_pytorch")
+    compared = 0
+    for m in (p, 2 * p, 2 * p + 1, 3 * p, 5 * p + 3):
+        ours = {("ScheduleZBVZeroBubble", 2): zbv_orders(p, m)}
+        if m >= 2 * p:
+            ours["ScheduleDualPipeV", 2] = dualpipev_orders(p, m)
+        for chunks in (2, 4):
+            ours["ScheduleInterleavedZeroBubble", chunks] = interleaved_zb_orders(p, m, chunks)
+        for (name, per_rank), orders in ours.items():
+            try:
+                theirs = bench.imported(name, p, m, per_rank)
+            except ValueError as error:
+                assert "multiple of the number of rounds" in str(error)  # PyTorch refuses; ours runs any m
+                continue
+            assert theirs.orders == tuple(map(tuple, orders)), (name, p, m, per_rank)
+            compared += 1
+    assert compared >= 8
 
 
 def test_schedule1f1b_pipeline_order_misses_the_last_ranks_first_forward():

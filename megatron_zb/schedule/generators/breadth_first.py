@@ -69,7 +69,7 @@ def _schedule(name: str, spec: ScheduleSpec) -> Schedule:
 @register(
     "breadth-first",
     "breadth-first pipelining on --chunks looping blocks (ZeRO-3's schedule); GPipe at 1",
-    options=("breadth_first_microbatches",),
+    options=("breadth_first_microbatches", "chunks"),
 )
 def generate(spec: ScheduleSpec) -> Schedule:
     return _schedule("breadth-first", spec)
@@ -78,7 +78,7 @@ def generate(spec: ScheduleSpec) -> Schedule:
 @register(
     "breadth-first-zb",
     "breadth-first with the backward split, Ws filling its idle time; never slower",
-    options=("breadth_first_microbatches",),
+    options=("breadth_first_microbatches", "chunks"),
 )
 def generate_zb(spec: ScheduleSpec) -> Schedule:
     plain = _schedule("breadth-first-zb", spec)

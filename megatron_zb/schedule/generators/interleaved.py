@@ -43,7 +43,11 @@ def looped(p: int, m: int, v: int) -> tuple[list[int], list[tuple[int, int]], li
     return groups, forwards, [(v - 1 - chunk, mb) for chunk, mb in forwards]
 
 
-@register("interleaved-1f1b", "Megatron's interleaved 1F1B over --chunks blocks per rank; bubble / chunks")
+@register(
+    "interleaved-1f1b",
+    "Megatron's interleaved 1F1B over --chunks blocks per rank; bubble / chunks",
+    options=("chunks",),
+)
 def generate(spec: ScheduleSpec) -> Schedule:
     p, m = spec.pp, spec.microbatches
     v = DEFAULT_CHUNKS if spec.chunks is None else spec.chunks

@@ -9,6 +9,12 @@ phase structure):
   then repeats early F-B-W and late F-B-W, and cools down with r B pairs, pp-r early B-W
   pairs and the deferred Ws. It is planned for at least 2pp-1 microbatches and the extra ones
   are dropped.
+- ``dualpipev_orders``: DualPipeV (DeepSeek's DualPipe folded onto the V placement) as PyTorch
+  writes it: rank r warms up with 2(pp-r-1) early forwards, r+1 early/late forward pairs and
+  pp-r-1 late B-W-F triples; the steady state pairs a forward of one chunk with the fused
+  backward of the other (PyTorch overlaps the two; here they run one after the other); the
+  cool-down switches to split backwards halfway and places the deferred Ws last. It needs
+  m >= 2pp microbatches.
 - ``interleaved_zb_orders``: zero bubble on the looping placement (v chunks): interleaved
   1F1B's groups and order, one warm-up forward fewer per hop, B split from W, and rank r
   keeping r Ws pending (ZB-H1's rule per chunk).
@@ -16,7 +22,7 @@ phase structure):
 
 from __future__ import annotations
 
-from ..ir import B, F, Pass, W
+from ..ir import BW, B, F, Pass, W
 from .interleaved import looped
 
 
@@ -60,6 +66,66 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Pass]:
     while count["w0"] < count["b0"]:
         run("w0")
     return [x for x in order if x.microbatch < m]
+
+
+def dualpipev_orders(p: int, m: int) -> list[list[Pass]]:
+    if m < 2 * p:
+        raise ValueError(f"the DualPipeV order needs at least 2pp = {2 * p} microbatches, got {m}")
+    return [_dualpipev_rank(p, m, r) for r in range(p)]
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> list[Pass]:
+    early, late = r, 2 * p - 1 - r
+    forwards = {early: 0, late: 0}
+    backwards = {early: 0, late: 0}
+    pending: list[tuple[int, int]] = []  # (block, microbatch) of split backwards whose W has not run
+    order: list[Pass] = []
+
+    def forward(block: int) -> None:
+        order.append(F(block, forwards[block]))
+        forwards[block] += 1
+
+    def backward(block: int, split: bool) -> None:
+        mb = backwards[block]
+        order.append(B(block, mb) if split else BW(block, mb))
+        if split:
+            pending.append((block, mb))
+        backwards[block] += 1
+
+    def weight() -> None:
+        if pending:
+            order.append(W(*pending.pop(0)))
+
+    for _ in range(2 * (p - r - 1)):
+        forward(early)
+    for _ in range(r + 1):
+        forward(early)
+        forward(late)
+    for _ in range(p - r - 1):
+        backward(late, split=True)
+        weight()
+        forward(late)
+    for _ in range(m - 2 * p + r + 1):
+        forward(early)
+        backward(late, split=False)
+        forward(late)
+        backward(early, split=False)
+    for _ in range(p - r - 1):
+        backward(late, split=False)
+        forward(late)
+        backward(early, split=False)
+    split = False
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(late, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        backward(early, split)
+    for _ in range(p - r - 1):
+        weight()
+        backward(early, split)
+    while pending:
+        weight()
+    return order
 
 
 def interleaved_zb_orders(p: int, m: int, v: int) -> list[list[Pass]]:

@@ -3,7 +3,7 @@
 Candidates:
 
 - zb-v, v-half and v-min as their own generators plan them, the plain and squeezed v-half
-  and v-min blocks, and the PyTorch-style ZB-V order, whenever their peak fits L;
+  and v-min blocks, and PyTorch's ZB-V and DualPipeV orders, whenever their peak fits L;
 - building blocks for memory between v-min's and zb-v's (v_blocks.py), squeezed, as many as
   a budget of scheduled passes allows, spread over the memory levels;
 - the list scheduler under a *ladder* of memory caps from the least possible limit up to L,
@@ -31,6 +31,7 @@ from .budget import BUDGET
 from .greedy import Switches, greedy_orders, min_memory_limit
 from .result import Result
 from .search import Planner, Recipe, best, checked_limit, eval_microbatches, greedy_planners, plan, uniform
+from .torch_style import dualpipev_orders
 from .v_family import (
     V_SWITCHES,
     block_peak,
@@ -82,6 +83,14 @@ def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Result]:
     return seeds
 
 
+def dualpipev(spec: ScheduleSpec) -> list[Schedule]:
+    """PyTorch's DualPipeV order, where it runs (m >= 2pp)."""
+    if spec.microbatches < 2 * spec.pp:
+        return []
+    orders = tuple(map(tuple, dualpipev_orders(spec.pp, spec.microbatches)))
+    return [Schedule("v-auto", (v_shape(spec.pp),), spec.microbatches, orders)]
+
+
 def _block_family(name: str, spec: ScheduleSpec, offsets) -> list[Result]:
     recipe, blocks = building_block(name, spec, offsets)
     return [best(recipe), *blocks]
@@ -124,5 +133,5 @@ def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     skip = lean and m_eval < m
     planners = [] if skip else _greedy_planners(placement, costs, m_eval, limit, below)
     fallback = (lambda: _greedy_planners(placement, costs, m_eval, limit)) if skip else None
-    seeds = (lambda: family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit),)
+    seeds = (lambda: family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit) + dualpipev(spec),)
     return plan(Recipe("v-auto", spec, (placement,), limit, planners, seeds, fallback=fallback))

@@ -62,17 +62,25 @@ def preset_limit(spec: ScheduleSpec, factor: int) -> float:
 @register(
     "zb-auto",
     "automatic zero bubble: best schedule under --memory-limit (unlimited if not given); --chunks v",
-    options=("memory_limit",),
+    options=("memory_limit", "chunks"),
 )
 def generate(spec: ScheduleSpec) -> Schedule:
     return zb_auto("zb-auto", spec, spec.memory_limit)
 
 
-@register("zb-1p", "automatic zero bubble at 1f1b's memory (limit pp microbatches); between zb-h1 and zb-h2")
+@register(
+    "zb-1p",
+    "automatic zero bubble at 1f1b's memory (limit pp microbatches); between zb-h1 and zb-h2",
+    options=("chunks",),
+)
 def generate_1p(spec: ScheduleSpec) -> Schedule:
     return zb_auto("zb-1p", spec, preset_limit(spec, 1))
 
 
-@register("zb-2p", "automatic zero bubble at twice 1f1b's memory (limit 2pp); about zero bubble for m >= 3pp")
+@register(
+    "zb-2p",
+    "automatic zero bubble at twice 1f1b's memory (limit 2pp); about zero bubble for m >= 3pp",
+    options=("chunks",),
+)
 def generate_2p(spec: ScheduleSpec) -> Schedule:
     return zb_auto("zb-2p", spec, preset_limit(spec, 2))
