@@ -12,6 +12,7 @@ import pytest
 
 from megatron_zb.schedule import ScheduleError, ScheduleSpec, build, names
 from megatron_zb.testing.pool import WorkerPool
+from megatron_zb.testing.shapes import one_per_shape
 
 TOLERANCE = 1e-5
 M = 5  # 2p+1 for pp=2
@@ -120,20 +121,16 @@ def runnable(name: str) -> bool:
 SCHEDULES = [name for name in names() if runnable(name)]
 
 
-def shape(name: str) -> tuple:
-    """What DDP's interplay with a schedule depends on: placement, chunks per rank, fused or split backward."""
-    schedule = build(name, ScheduleSpec(2, M))
-    return schedule.placement.kind, schedule.chunks, frozenset(p.kind for order in schedule.orders for p in order)
-
-
 # With overlap the schedule decides when each chunk's reduction starts (after its last W): every
-# schedule runs DDP with overlap, with and without Megatron-LM's grad_sync_func. The distributed
-# optimizer's reduce-scatter starts from the same hooks, and without overlap finalize_model_grads
-# reduces after the schedule whatever its order: one schedule of each shape runs those variants.
-OVERLAP_VARIANTS = ["ddp-overlap", WITH_GRAD_SYNC_FUNC]
-ONE_PER_SHAPE = list({shape(name): name for name in reversed(SCHEDULES)}.values())
-DDP_CASES = [(name, variant) for name in SCHEDULES for variant in OVERLAP_VARIANTS] + [
-    (name, variant) for name in ONE_PER_SHAPE for variant in sorted(DDP_VARIANTS) if variant not in OVERLAP_VARIANTS
+# schedule runs DDP with overlap. Megatron-LM's grad_sync_func is called from the same place whatever
+# the order, the distributed optimizer's reduce-scatter starts from the same hooks, and without
+# overlap finalize_model_grads reduces after the schedule: one schedule of each shape runs those variants.
+ONE_PER_SHAPE = one_per_shape(SCHEDULES, pp=2, microbatches=M)
+DDP_CASES = [(name, "ddp-overlap") for name in SCHEDULES] + [
+    (name, variant)
+    for name in ONE_PER_SHAPE
+    for variant in [WITH_GRAD_SYNC_FUNC, *sorted(DDP_VARIANTS)]
+    if variant != "ddp-overlap"
 ]
 
 

@@ -44,7 +44,7 @@ def test_every_registered_schedule_has_a_rule():
 
 
 @pytest.mark.parametrize("name", sorted(RULES))
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(p=st.integers(1, 16), m=st.integers(1, 64), v=st.integers(1, 4))
 def test_generated_schedules_are_valid_or_refused(name, p, m, v):
     accepts, peak_bound, refusal = RULES[name]
