@@ -32,7 +32,15 @@ setup(
             "psutil",
             "triton; platform_system=='Linux'",
         ],
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.4", "ortools>=9.8", "torch>=2.1", MEGATRON_CORE],
+        "test": [
+            "pytest>=7",
+            "pytest-xdist>=3.2",
+            "hypothesis>=6",
+            "ruff>=0.4",
+            "ortools>=9.8",
+            "torch>=2.1",
+            MEGATRON_CORE,
+        ],
     },
     entry_points={"console_scripts": ["megatron-zb = megatron_zb.cli:main"]},
 )

@@ -1,7 +1,10 @@
 """Registry of schedule generators: a name, a one-line summary and ``generate(spec)``.
 
 Generators emit compute passes only; ``build`` validates what they return, so no schedule
-reaches the simulator or the runtime unchecked.
+reaches the simulator or the runtime unchecked. A plan is a pure function of the generator and
+the spec fields it reads, and the same one is asked for again and again (``auto`` builds every
+family, a memory refusal builds them all to suggest one, the CLI's compare, re-plans): the last
+``PLANS_KEPT`` validated plans are kept (not those refined by the solver, which has a time limit).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
@@ -103,9 +107,12 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
         raise ScheduleError(f"microbatches must be at least 1, got {spec.microbatches}")
     if spec.costs is not None and spec.costs.pp != spec.pp:
         raise ScheduleError(f"the cost model is for pp={spec.costs.pp}, the schedule for pp={spec.pp}")
-    schedule = get(name).generate(spec)
+    generator = get(name)
+    if spec.refine_seconds > 0:
+        schedule = _planned.__wrapped__(generator, spec)
+    else:
+        schedule = _planned(generator, _plans_with(generator, spec))
     costs = spec.cost_model()
-    check(schedule, costs)
     if spec.memory_limit is not None:
         peak = peak_memory(schedule, costs)
         if peak > spec.memory_limit + 1e-9:
@@ -118,6 +125,26 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
                 message += f"; schedules that fit: {', '.join(fits) or 'none'}"
             raise ScheduleError(message)
     return schedule
+
+
+PLANS_KEPT = 256
+
+
+@lru_cache(maxsize=PLANS_KEPT)
+def _planned(generator: Generator, spec: ScheduleSpec) -> Schedule:
+    schedule = generator.generate(spec)
+    check(schedule, spec.cost_model())
+    return schedule
+
+
+def _plans_with(generator: Generator, spec: ScheduleSpec) -> ScheduleSpec:
+    """``spec`` without the fields the generator does not plan with (the memory limit, for a schedule
+    that is only refused when over it), so one plan serves every spec that differs only there."""
+    unread = {} if generator.composite else {"layers": None, "post_validation": False}
+    for option in ("memory_limit", "breadth_first_microbatches"):
+        if option not in generator.options:
+            unread[option] = None
+    return replace(spec, **unread)
 
 
 def peak_memory(schedule: Schedule, costs: CostModel) -> float:
