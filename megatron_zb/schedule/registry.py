@@ -127,7 +127,7 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
     return schedule
 
 
-PLANS_KEPT = 256
+PLANS_KEPT = 64  # a plan at pp=32, m=256 holds a few MB
 
 
 @lru_cache(maxsize=PLANS_KEPT)
