@@ -21,11 +21,17 @@ PROFILES = {  # (T_F, T_B, T_W, T_comm) per stage; memory F +1, B -0.55, W -0.45
     "A": (18522, 18086, 9337, 601),
     "B": (29718, 29444, 19927, 527),
     "C": (11347, 11248, 8132, 377),
+    "E": (18522, 18086, 9337, 601),  # first and last stage 1.5x (HEAVY_ENDS)
+    "F": (18522, 18086, 9337, 3704),  # comm 20% of T_F
+    "G": (18522, 18086, 3617, 3704),  # both, light W
 }
+HEAVY_ENDS = {"E", "G"}
 
 
 def profile(p: int, name: str) -> CostModel:
     t_f, t_b, t_w, comm = PROFILES[name]
+    scale = [1.5 if name in HEAVY_ENDS and s in (0, p - 1) else 1.0 for s in range(p)]
+    t_f, t_b, t_w = ([t * x for x in scale] for t in (t_f, t_b, t_w))
     return CostModel(p, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=comm, mem_f=1, mem_b=-0.55, mem_w=-0.45)
 
 
@@ -58,6 +64,10 @@ REFERENCE_V_AUTO = {
     (8, 24, "B", 6.0): 0.113247,
     (16, 48, "A", 8.0): 0.300556,
     (16, 48, "A", 10.0): 0.182159,
+    # the same way, the reference given the stages' mean costs (it takes one number per pass kind)
+    (8, 27, "E", 6.0): 0.292844,
+    (8, 24, "F", 4.0): 0.428604,
+    (8, 32, "G", 8.0): 0.291689,
 }
 
 
