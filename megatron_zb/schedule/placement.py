@@ -8,6 +8,7 @@ apply to chunks. A bidirectional schedule uses two placements, the second mirror
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,20 @@ class Placement:
         return stage // self.chunks
 
 
+@cache  # placements are immutable: planners ask for the same one many times
 def linear(pp: int) -> Placement:
     _check(pp, 1)
     return Placement("linear", pp, 1, tuple((r, 0) for r in range(pp)))
 
 
+@cache
 def interleaved(pp: int, chunks: int) -> Placement:
     """Looping placement: chunk c of rank r holds block c*pp + r."""
     _check(pp, chunks)
     return Placement("interleaved", pp, chunks, tuple((b % pp, b // pp) for b in range(pp * chunks)))
 
 
+@cache
 def v_shape(pp: int, chunks: int = 2) -> Placement:
     """Wave placement: even chunks go down the ranks, odd chunks come back up.
 

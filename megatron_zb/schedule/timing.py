@@ -44,6 +44,9 @@ class Encoding:
         self.blocks = len(self.where)
         self.kinds = {kind: index for index, kind in enumerate(COMPUTE)}
         self.size = len(COMPUTE) * self.blocks * microbatches
+        self.passes = [
+            (kind, stage, pipe) for kind in COMPUTE for pipe, stage in self.where
+        ]  # per kind * blocks + block
 
     def code(self, kind: PassKind, stage: int, microbatch: int, pipe: int = 0) -> int:
         return (self.kinds[kind] * self.blocks + self.base[pipe] + stage) * self.microbatches + microbatch
@@ -53,9 +56,8 @@ class Encoding:
 
     def decode(self, code: int) -> Pass:
         kind_block, microbatch = divmod(code, self.microbatches)
-        kind, block = divmod(kind_block, self.blocks)
-        pipe, stage = self.where[block]
-        return Pass(COMPUTE[kind], stage, microbatch, pipe)
+        kind, stage, pipe = self.passes[kind_block]
+        return Pass(kind, stage, microbatch, pipe)
 
 
 class Model:
@@ -203,15 +205,16 @@ class Clock:
 def run(model: Model, orders: Sequence[Sequence[int]]) -> Clock | None:
     """Time whole per-rank orders as soon as possible; None if they deadlock."""
     clock, at = Clock(model), [0] * len(orders)
-    place, moved = clock.place, True
+    place, moved, sweep = clock.place, True, list(range(len(orders)))
     while moved:  # a rank runs until a pass waits for an input, in turn until none moves
         moved = False
-        for r, order in enumerate(orders):
-            i = at[r]
+        for r in sweep:
+            order, i = orders[r], at[r]
             while i < len(order) and place(order[i]):
                 i += 1
             if i > at[r]:
                 at[r], moved = i, True
+        sweep.reverse()  # forward inputs flow down the ranks, backward ones up: sweep both ways
     if any(i < len(order) for i, order in zip(at, orders, strict=True)):
         return None
     return clock

@@ -10,13 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedule.costs import CostModel
+from megatron_zb.schedule.generators.extend import fewer_microbatches, stretched
 from megatron_zb.schedule.generators.result import Result, timed
 from megatron_zb.schedule.generators.torch_style import interleaved_zb_orders, zbv_orders
 from megatron_zb.schedule.generators.v_blocks import all_blocks, block_offsets
 from megatron_zb.schedule.generators.v_family import v_half_offsets, v_min_offsets
 from megatron_zb.schedule.generators.v_squeeze import squeezed_orders
 from megatron_zb.schedule.generators.zb_rounds import ROUND_SWITCHES, NoRoom, round_orders
-from megatron_zb.schedule.generators.zbv_rounds import V_ROUND_SWITCHES, v_round_orders
+from megatron_zb.schedule.generators.zbv_rounds import V_ROUND_SWITCHES, RoundRuns, v_round_orders
 from megatron_zb.schedule.ir import Pass, Schedule, ScheduleError
 from megatron_zb.schedule.placement import interleaved, linear, v_shape
 from megatron_zb.schedule.registry import ScheduleSpec, build, peak_memory
@@ -176,6 +177,37 @@ def test_round_heuristics_report_the_simulated_times(p, m):
         schedule = _as_schedule(result, v_shape(p), m)
         assert validate(schedule, costs, float(p)) == []
         assert simulate(schedule, costs).stage_span == pytest.approx(result.stage_span)
+
+
+def _rounds_or_refusal(plan, *args):
+    try:
+        return plan(*args).codes
+    except ScheduleError as error:
+        return type(error)
+
+
+def test_a_switch_setting_shares_a_run_only_when_that_run_never_read_its_switch():
+    shared = distinct = 0
+    for p in (3, 4, 6, 8):
+        for costs in (gpt_like(p), CostModel(p, t_w=0.2, t_comm=0.2), CostModel(p, 18522, 18086, 9337, 601)):
+            for m, limit in ((p, None), (2 * p + 1, float(p)), (3 * p, float(p))):
+                runs = RoundRuns(costs, limit)
+                for setting in V_ROUND_SWITCHES:
+                    direct = _rounds_or_refusal(v_round_orders, costs, m, limit, setting)
+                    assert _rounds_or_refusal(runs, m, setting) == direct, (p, m, limit, setting)
+                kept = len(runs.runs[m])
+                shared, distinct = shared + (kept < len(V_ROUND_SWITCHES)), distinct + (kept > 1)
+    assert shared > 0 and distinct > 0  # both sides of the rule were exercised
+
+
+@pytest.mark.parametrize("p,m", [(16, 128), (24, 96)])
+def test_the_rounds_stretched_from_fewer_microbatches_are_the_rounds_for_all(p, m):
+    costs = CostModel(p, t_f=18522, t_b=18086, t_w=9337, t_comm=601, mem_f=1, mem_b=-0.55, mem_w=-0.45)
+    runs = RoundRuns(costs, float(p))
+    for setting in V_ROUND_SWITCHES:
+        longer = stretched(lambda n, s=setting: runs(n, s), v_shape(p), costs, m)
+        assert runs.runs.keys() == {fewer_microbatches(m, v_shape(p))} != {m}  # planned for fewer only
+        assert longer.codes == v_round_orders(costs, m, float(p), setting).codes
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 6])

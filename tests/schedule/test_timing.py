@@ -54,6 +54,15 @@ def test_a_pass_before_its_input_on_its_own_rank_does_not_run():
     assert run(Model(encoding, None), [[encoding.encode(W(0, 0)), encoding.encode(BW(0, 0))]]) is None
 
 
+def test_a_seed_over_the_memory_limit_is_passed_over_before_timing():
+    schedule = build("1f1b", ScheduleSpec(2, 4))  # rank 0 holds 2 microbatches, rank 1 one
+    costs = CostModel(2)
+    assert timed_schedule(schedule, costs, limit=1.5) is None
+    kept = timed_schedule(schedule, costs, limit=2.0)
+    assert kept.peak == 2.0 and kept.score() == timed_schedule(schedule, costs).score()
+    assert kept.label == "1f1b"
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_filling_idle_time_with_ws_is_never_slower(chunks):
     costs = CostModel(4, t_f=[1.2, 1, 1, 1.2], t_b=1.1, t_w=0.7, t_comm=0.05)

@@ -7,6 +7,8 @@ from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.generators.extend import extended
 from megatron_zb.schedule.generators.polish import polish
 from megatron_zb.schedule.generators.result import Result, timed, timed_codes
+from megatron_zb.schedule.generators.torch_style import dualpipev_orders
+from megatron_zb.schedule.generators.v_auto import dualpipev_peak
 from megatron_zb.schedule.generators.v_blocks import all_blocks, plain_peak
 from megatron_zb.schedule.generators.v_family import block_orders
 from megatron_zb.schedule.generators.v_reorder import reordered_orders
@@ -184,3 +186,18 @@ def test_integer_timing_is_the_simulators():
             assert timed_codes(result.codes, schedule.placements, costs, m) == Result(
                 result.codes, result.encoding, result.stage_span, result.makespan, result.peak
             )
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_the_dualpipev_peak_v_auto_checks_on_2pp_microbatches_holds_for_any_number(p):
+    ramp = CostModel(
+        p,
+        mem_f=[1.0 + 0.1 * s for s in range(p)],
+        mem_b=[-0.6 - 0.05 * s for s in range(p)],
+        mem_w=[-0.4 - 0.05 * s for s in range(p)],
+    )
+    for costs in (profile(p, "A"), ramp):
+        for m in (2 * p + 1, 3 * p, 5 * p + 2):
+            orders = dualpipev_orders(p, m)
+            simulated = max(max(levels) for levels in memory_levels(as_schedule(orders, p, m), costs))
+            assert dualpipev_peak(p, costs) == pytest.approx(simulated)

@@ -1,13 +1,13 @@
 """Plan a periodic order on few microbatches, then stretch its steady state to all of them.
 
-Building-block orders repeat in their steady state: on every rank, one pass of each kind per
-chunk, the next microbatch each time. Planning them for m microbatches costs time in m, yet
-all that changes with m is how often that period repeats. So plan for fewer, find on each rank
-one period followed by the same period one microbatch later, and insert as many more copies
-as the missing microbatches after it; every pass after the copies moves up by that many
-microbatches. Each kind of pass keeps its microbatches in order on every rank, and the copies
-are what a longer steady state would hold. The caller times (and ``build`` validates) the
-result.
+Building-block orders, ZB-V's rounds and PyTorch's ZB-V order repeat in their steady state:
+on every rank, one pass of each kind per chunk, the next microbatch each time. Planning them
+for m microbatches costs time in m, yet all that changes with m is how often that period
+repeats. So plan for fewer, find on each rank one period followed by the same period one
+microbatch later, and insert as many more copies as the missing microbatches after it; every
+pass after the copies moves up by that many microbatches. Each kind of pass keeps its
+microbatches in order on every rank, and the copies are what a longer steady state would
+hold. The caller times (and ``build`` validates) the result.
 """
 
 from __future__ import annotations
@@ -59,6 +59,18 @@ def fewer_microbatches(m: int, placement: Placement) -> int:
     blocks' two phases still touch)."""
     fewer = eval_microbatches(m, placement)
     return m if fewer >= m else min(m, max(fewer, 3 * placement.pp))
+
+
+def stretched(plan: Callable[[int], Result], placement: Placement, costs: CostModel, m: int) -> Result:
+    """``plan``'s result for m microbatches: planned for fewer and extended on large settings
+    (``fewer_microbatches``), or planned for all where that is cheap or no steady period is found."""
+    fewer = fewer_microbatches(m, placement)
+    if fewer < m:
+        longer = extended(plan(fewer).codes, fewer, 3 * placement.chunks, m - fewer)
+        result = None if longer is None else timed_codes(longer, placement, costs, m)
+        if result is not None:
+            return result
+    return plan(m)
 
 
 def planned(

@@ -13,7 +13,7 @@ from functools import lru_cache
 from ..costs import CostModel
 from ..ir import Pass, Schedule
 from ..placement import Placement
-from ..timing import Clock, Encoding, Model, run
+from ..timing import EPS, Clock, Encoding, Model, run
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,15 @@ def timed(orders: Sequence[Sequence[Pass]], placement: Placements, costs: CostMo
     return timed_codes([[encode(p) for p in order] for order in orders], placement, costs, m)
 
 
-def timed_schedule(schedule: Schedule, costs: CostModel) -> Result | None:
-    """A schedule's orders timed, labelled with its name."""
-    result = timed(schedule.orders, schedule.placements, costs, schedule.microbatches)
+def timed_schedule(schedule: Schedule, costs: CostModel, limit: float | None = None) -> Result | None:
+    """A schedule's orders timed, labelled with its name; None if they deadlock or, before any timing,
+    if a rank's memory goes over ``limit`` (the order alone sets it)."""
+    placements, m = schedule.placements, schedule.microbatches
+    encode = encoding_of(placements, m).encode
+    codes = [[encode(p) for p in order] for order in schedule.orders]
+    if limit is not None:
+        model = model_of(placements, m, costs)
+        if any(model.peak(order) > limit + EPS for order in codes):
+            return None
+    result = timed_codes(codes, placements, costs, m)
     return None if result is None else replace(result, label=schedule.name)

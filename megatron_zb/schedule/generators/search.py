@@ -58,7 +58,8 @@ def best(recipe: Recipe) -> Result:
     found = _best_plan(recipe, recipe.planners)
     for make in recipe.seeds:
         for seed in make():
-            found = _better(recipe, found, seed if isinstance(seed, Result) else timed_schedule(seed, _costs(recipe)))
+            result = seed if isinstance(seed, Result) else timed_schedule(seed, _costs(recipe), recipe.limit)
+            found = _better(recipe, found, result)
     if found is None and recipe.fallback is not None:
         found = _best_plan(recipe, recipe.fallback())
     if found is None:

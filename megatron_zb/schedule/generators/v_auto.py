@@ -29,7 +29,7 @@ from ..registry import ScheduleSpec, register
 from ..timing import EPS
 from .budget import BUDGET
 from .greedy import Switches, greedy_orders, min_memory_limit
-from .result import Result
+from .result import Result, encoding_of, model_of
 from .search import Planner, Recipe, best, checked_limit, eval_microbatches, greedy_planners, plan, uniform
 from .torch_style import dualpipev_orders
 from .v_family import (
@@ -83,12 +83,23 @@ def family_seeds(spec: ScheduleSpec, limit: float | None) -> list[Result]:
     return seeds
 
 
-def dualpipev(spec: ScheduleSpec) -> list[Schedule]:
-    """PyTorch's DualPipeV order, where it runs (m >= 2pp)."""
-    if spec.microbatches < 2 * spec.pp:
+def dualpipev(spec: ScheduleSpec, limit: float | None) -> list[Schedule]:
+    """PyTorch's DualPipeV order, where it runs (m >= 2pp) and fits ``limit``.
+
+    Its memory peaks in the warm-up or the first steady round, which do not depend on m (each
+    steady round frees what it takes), so the order for 2pp microbatches tells whether it fits.
+    """
+    p, m = spec.pp, spec.microbatches
+    if m < 2 * p or (limit is not None and dualpipev_peak(p, spec.cost_model()) > limit + EPS):
         return []
-    orders = tuple(map(tuple, dualpipev_orders(spec.pp, spec.microbatches)))
-    return [Schedule("v-auto", (v_shape(spec.pp),), spec.microbatches, orders)]
+    return [Schedule("v-auto", (v_shape(p),), m, tuple(map(tuple, dualpipev_orders(p, m))))]
+
+
+def dualpipev_peak(p: int, costs: CostModel, m: int | None = None) -> float:
+    """The DualPipeV order's peak memory on any rank, for m microbatches (default 2pp)."""
+    m = 2 * p if m is None else m
+    encode, model = encoding_of((v_shape(p),), m).encode, model_of((v_shape(p),), m, costs)
+    return max(model.peak([encode(x) for x in order]) for order in dualpipev_orders(p, m))
 
 
 def _block_family(name: str, spec: ScheduleSpec, offsets) -> list[Result]:
@@ -133,5 +144,5 @@ def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     skip = lean and m_eval < m
     planners = [] if skip else _greedy_planners(placement, costs, m_eval, limit, below)
     fallback = (lambda: _greedy_planners(placement, costs, m_eval, limit)) if skip else None
-    seeds = (lambda: family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit) + dualpipev(spec),)
+    seeds = (lambda: family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit) + dualpipev(spec, limit),)
     return plan(Recipe("v-auto", spec, (placement,), limit, planners, seeds, fallback=fallback))

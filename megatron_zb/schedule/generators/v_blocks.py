@@ -49,15 +49,16 @@ def block_offsets(p: int, pattern: tuple[int, int, int], d_first: int, d_rest: i
 
 def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple[int, int, int, int]]:
     """Residues of up to ``hops`` ranks after ``start`` (downward passes shifted by d, upward by -1),
-    stopping before the first rank where two passes would share one."""
+    stopping before the first rank where two passes would share one. The shifts repeat every 6
+    ranks, so a run that gets past 5 repeats for good."""
     found = [start]
-    for _ in range(hops):
+    for _ in range(min(hops, PERIOD - 1)):
         f0, f1, b1, b0 = found[-1]
         shifted = ((f0 + d) % PERIOD, (f1 - 1) % PERIOD, (b1 + d) % PERIOD, (b0 - 1) % PERIOD)
         if len(set(shifted)) < 4:
-            break
+            return found
         found.append(shifted)
-    return found
+    return (found * (hops // PERIOD + 1))[: hops + 1]
 
 
 def _walk(residues: list[tuple[int, int, int, int]]) -> Offsets:
@@ -65,11 +66,11 @@ def _walk(residues: list[tuple[int, int, int, int]]) -> Offsets:
     p = len(residues)
     slots = [[0] * 4 for _ in range(p)]
     t = -1
-    walk = [(r, 0) for r in range(p)] + [(r, 1) for r in reversed(range(p))]
-    walk += [(r, 2) for r in range(p)] + [(r, 3) for r in reversed(range(p))]
-    for rank, kind in walk:
-        t += 1 + (residues[rank][kind] - t - 1) % PERIOD
-        slots[rank][kind] = t
+    down, up = range(p), range(p - 1, -1, -1)
+    for kind, ranks in ((F0, down), (F1, up), (B1, down), (B0, up)):
+        for rank in ranks:
+            t += 1 + (residues[rank][kind] - t - 1) % PERIOD
+            slots[rank][kind] = t
     return tuple(map(tuple, slots))
 
 
@@ -108,11 +109,15 @@ def all_blocks(p: int) -> dict[Offsets, tuple[bool, int, int]]:
                     rest = _residues(first[hops], d_rest, p - 1 - hops)
                     if len(rest) < p - hops:
                         continue
-                    offsets = _walk(first[: hops + 1] + rest[1:])
+                    residues = first[: hops + 1] + rest[1:]
+                    offsets = _walk(residues)
                     if offsets in found:
                         continue
                     tight = min(d_first, d_rest if hops < p - 1 else d_first) < 2
-                    life = max(max(w_slots(*slots)) - slots[0] for slots in offsets)
+                    gaps = map(_w_gaps, *zip(*residues, strict=True))  # each W's slot after its B (w_slots)
+                    life = max(
+                        max(b1 + g1, b0 + g0) - f0 for (f0, _, b1, b0), (g1, g0) in zip(offsets, gaps, strict=True)
+                    )
                     found[offsets] = (tight, -d_first, life)
     return found
 
@@ -142,13 +147,20 @@ def _plain_peak(offsets: Offsets, memory: list[tuple[float, ...]]) -> float:
     A stage's F, B and W deltas add up to 0, so with slot = 6q + r that is -sum(delta * q) minus the
     deltas of the passes whose residue r is above t's: the peak is the largest over t's six residues."""
     peak = -math.inf
+    shapes: dict[tuple, tuple[int, int, float]] = {}
     for (f0, f1, b1, b0), mem in zip(offsets, memory, strict=True):
         f1, b1, b0 = f1 - f0, b1 - f0, b0 - f0
-        gap1, gap0, bonus = _rank_shape(f1 % PERIOD, b1 % PERIOD, b0 % PERIOD, mem)
+        key = (f1 % PERIOD, b1 % PERIOD, b0 % PERIOD, mem)
+        shape = shapes.get(key)
+        if shape is None:
+            shape = shapes[key] = _rank_shape(*key)
+        gap1, gap0, bonus = shape
+        _, d_f1, d_b1, d_b0, d_w1, d_w0 = mem
         w1, w0 = b1 + gap1, b0 + gap0
-        quotients = (f1 // PERIOD, b1 // PERIOD, b0 // PERIOD, w1 // PERIOD, w0 // PERIOD)
-        base = -sum(delta * q for delta, q in zip(mem[1:], quotients, strict=True)) / 2
-        peak = max(peak, base + bonus)
+        q = d_f1 * (f1 // PERIOD) + d_b1 * (b1 // PERIOD) + d_b0 * (b0 // PERIOD) + d_w1 * (w1 // PERIOD)
+        value = bonus - (q + d_w0 * (w0 // PERIOD)) / 2
+        if value > peak:
+            peak = value
     return peak
 
 

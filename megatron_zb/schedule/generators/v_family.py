@@ -11,7 +11,8 @@ rank holds one early and one late block and memory is balanced across ranks.
   scheduler, capped at the block's peak, join as candidates; the best is kept.
 - zb-v plans at 1f1b's peak memory with the round heuristic of the ZB paper's ZB-V
   (zbv_rounds.py) and the list scheduler, seeded with the PyTorch-style ZB-V order: about
-  zero bubble for m >= 2pp.
+  zero bubble for m >= 2pp. On large settings the rounds and the seed are planned for fewer
+  microbatches and their steady state stretched (extend.py).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from ..ir import B, F, Pass, Schedule, ScheduleError, W
 from ..placement import v_shape
 from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
-from .extend import planned
+from .extend import planned, stretched
 from .greedy import ALL_SWITCHES
 from .result import Result
 from .search import Planner, Recipe, best, eval_microbatches, plan, searched
 from .torch_style import zbv_orders
 from .v_blocks import PERIOD, plain_peak, w_slots
 from .v_squeeze import squeezed_orders
-from .zbv_rounds import V_ROUND_SWITCHES, v_round_orders
+from .zbv_rounds import V_ROUND_SWITCHES, RoundRuns
 
 V_SWITCHES = tuple(s for s in ALL_SWITCHES if s.depth_first)  # breadth-first never won on the V
 
@@ -115,17 +116,19 @@ def one_f_one_b_peak(spec: ScheduleSpec) -> float:
 
 
 def v_round_planners(costs: CostModel, limit: float | None) -> list[Planner]:
-    return [(lambda m, s=setting: v_round_orders(costs, m, limit, s)) for setting in V_ROUND_SWITCHES]
+    """The ZB-V rounds with each switch setting (those that plan alike run once), stretched on large settings."""
+    runs = RoundRuns(costs, limit)
+    placement = v_shape(costs.pp)
+    return [(lambda m, s=setting: stretched(lambda n: runs(n, s), placement, costs, m)) for setting in V_ROUND_SWITCHES]
 
 
 def zb_v(spec: ScheduleSpec) -> Recipe:
     """The ZB-V rounds and the list scheduler at 1f1b's peak, seeded with the PyTorch-style ZB-V order."""
     v_spec("zb-v", spec)
-    limit = one_f_one_b_peak(spec)
-    planners = v_round_planners(spec.cost_model(), limit)
-    orders = tuple(map(tuple, zbv_orders(spec.pp, spec.microbatches)))
-    seed = Schedule("zb-v", (v_shape(spec.pp),), spec.microbatches, orders)
-    return searched("zb-v", spec, v_shape(spec.pp), limit, [seed], planners, V_SWITCHES, lean=True)
+    limit, p, costs = one_f_one_b_peak(spec), spec.pp, spec.cost_model()
+    planners = v_round_planners(costs, limit)
+    seed = planned(lambda n: zbv_orders(p, n), v_shape(p), costs, spec.microbatches)
+    return searched("zb-v", spec, v_shape(p), limit, [seed] if seed else [], planners, V_SWITCHES, lean=True)
 
 
 @register("v-min", "V-shape building block at about a third of 1f1b's memory (pp/3+1 stages)")

@@ -29,7 +29,7 @@ from .extend import extended, fewer_microbatches
 from .polish import polish
 from .result import Result, timed, timed_codes
 from .v_blocks import Offsets, blocks_by_level
-from .v_reorder import reordered_codes
+from .v_reorder import reordered_variants
 from .v_squeeze import squeezed_orders
 
 
@@ -54,7 +54,7 @@ def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> l
             if not fitting or edge < top - BUDGET.v_auto.screen_window * min(costs.mem_f) - EPS:
                 break
             budget -= per_block * len(fitting)
-        found += _level(p, planned_m, costs, fitting, sample, fits, squeeze=planned_m == m)
+        found += _level(p, planned_m, costs, fitting, sample, fits, stretched=planned_m < m)
     polished = _polished(p, costs, found)
     if planned_m == m:
         return found + polished
@@ -70,18 +70,39 @@ def lowest_block_peak(p: int, costs: CostModel) -> float:
 
 
 def _level(
-    p: int, m: int, costs: CostModel, blocks: list[Offsets], sample: int, fits: float, squeeze: bool
+    p: int, m: int, costs: CostModel, blocks: list[Offsets], sample: int, fits: float, stretched: bool
 ) -> list[Result]:
     """The finalists of one level, each planned for m microbatches reordered with and without its gaps
-    filled, and squeezed if ``squeeze``.
+    filled, and squeezed unless they are to be ``stretched`` (extend.py) to more microbatches.
 
     A reordered block may peak above its plain repetition, so the finalists are chosen per
-    peak (in quarter stages) of the screened orders, among the peaks that fit.
+    peak (in quarter stages) of the screened orders, among the peaks that fit. Where the orders
+    are to be stretched a lone block is the finalist unscreened (its screening would not be
+    reused); of its orders, those that fit are kept.
     """
-    screened: dict[int, list[tuple[tuple[float, float, float], int]]] = {}
     filled: dict[Offsets, Result | None] = {}  # the screening reorders, planned again only for other m
+    lone = stretched and len(blocks) == 1
+    finalists = blocks if lone else _finalists(p, costs, blocks, sample, fits, filled)
+    found = []
+    for block in finalists:
+        squeezed = () if stretched else (_squeezed(p, m, costs, block),)
+        reordered = (
+            [_reordered(p, m, costs, block, False), filled[block]] if m == sample else _reorders(p, m, costs, block)
+        )
+        for result in (*squeezed, *reordered):
+            if result is not None and (not lone or result.peak <= fits):
+                found.append(result)
+    return found
+
+
+def _finalists(
+    p: int, costs: CostModel, blocks: list[Offsets], sample: int, fits: float, filled: dict[Offsets, Result | None]
+) -> list[Offsets]:
+    """The blocks with the best distinct screening times, per peak of their screened orders that fits;
+    ``filled`` gets each block's screening order."""
+    screened: dict[int, list[tuple[tuple[float, float, float], int]]] = {}
     for index, block in enumerate(blocks):
-        filled[block] = result = _reordered(p, sample, costs, block, fill=True)
+        filled[block] = result = _reordered(p, sample, costs, block, True)
         if result is not None and result.peak <= fits:
             screened.setdefault(_bucket(result.peak, costs), []).append((result.score(), index))
     finalists: list[Offsets] = []
@@ -93,14 +114,7 @@ def _level(
             if score not in seen and blocks[index] not in finalists:
                 seen.add(score)
                 finalists.append(blocks[index])
-    found = []
-    for block in finalists:
-        again = filled[block] if m == sample else _reordered(p, m, costs, block, fill=True)
-        squeezed = (_squeezed(p, m, costs, block),) if squeeze else ()
-        for result in (*squeezed, _reordered(p, m, costs, block, fill=False), again):
-            if result is not None:
-                found.append(result)
-    return found
+    return finalists
 
 
 def _bucket(peak: float, costs: CostModel) -> int:
@@ -129,5 +143,10 @@ def _squeezed(p: int, m: int, costs: CostModel, block: Offsets) -> Result:
 
 
 def _reordered(p: int, m: int, costs: CostModel, block: Offsets, fill: bool) -> Result | None:
-    codes = reordered_codes(p, m, list(block), fill)
-    return None if codes is None else timed_codes(codes, v_shape(p), costs, m)
+    return _reorders(p, m, costs, block, (fill,))[0]
+
+
+def _reorders(p: int, m: int, costs: CostModel, block: Offsets, fills=(False, True)) -> list[Result | None]:
+    """The block reordered without and with its gaps filled (or as ``fills`` say), timed."""
+    found = reordered_variants(p, m, list(block), fills)
+    return [None if codes is None else timed_codes(codes, v_shape(p), costs, m) for codes in found]

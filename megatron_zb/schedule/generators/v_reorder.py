@@ -45,35 +45,43 @@ def reordered_codes(
     p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
 ) -> list[list[int]] | None:
     """``reordered_orders`` as codes (``timing.Encoding`` of the V), for timing them."""
+    return reordered_variants(p, m, offsets, (fill,))[0]
+
+
+def reordered_variants(
+    p: int, m: int, offsets: list[tuple[int, int, int, int]], fills: tuple[bool, ...] = (False, True)
+) -> list[list[list[int]] | None]:
+    """``reordered_codes`` for each of ``fills``: steps 1-4 are done once."""
     reps = max(m, 2 * p)
     orders = _repeat(offsets, reps)
     slots = pack(p, reps, orders)
+    given_up = [None] * len(fills)
     if slots is None:
-        return None
+        return given_up
     bound = _peak(orders)
     if bound > 2 * p:
-        return None
+        return given_up
     orders = [_warm_up(order, i, p, bound, reps) for i, order in enumerate(orders)]
     slots = pack(p, reps, orders)
     if slots is None or _peak(orders) > bound:
-        return None
+        return given_up
     if m < reps:
         orders = [_drop_extra_ws([(t, k) for t, k in order if k < m or t >= W1], m) for order in orders]
         slots = pack(p, m, orders)
         if slots is None:
-            return None
+            return given_up
         bound = _peak(orders)
     orders = _cool_down(orders, slots, p, m, _peak(orders))
     if orders is None:
-        return None
+        return given_up
     slots = pack(p, m, orders)
     if slots is None:
-        return None
-    if fill:
-        orders = _fill_gaps(orders, slots, p, m, _peak(orders))
-    if _peak(orders) > bound:
-        return None
-    return item_codes(p, m, orders)
+        return given_up
+    found = []
+    for fill in fills:
+        final = _fill_gaps(orders, slots, p, m, _peak(orders)) if fill else orders
+        found.append(None if _peak(final) > bound else item_codes(p, m, final))
+    return found
 
 
 def _repeat(offsets: list[tuple[int, int, int, int]], reps: int) -> Orders:

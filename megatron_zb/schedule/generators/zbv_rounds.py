@@ -41,12 +41,18 @@ class Unready(ScheduleError):
     """The round structure asked for a pass whose input no rank has produced yet."""
 
 
-def v_round_orders(costs: CostModel, microbatches: int, limit: float | None, switches: VRoundSwitches) -> Result:
-    """The best of repeated runs, each allowing the bubbles of the one before; raises NoRoom or Unready."""
-    best = _VRounds(costs, microbatches, limit, switches, None).run()
+def v_round_orders(
+    costs: CostModel, microbatches: int, limit: float | None, switches: VRoundSwitches, read: set[str] | None = None
+) -> Result:
+    """The best of repeated runs, each allowing the bubbles of the one before; raises NoRoom or Unready.
+
+    ``read`` collects the switches some decision of the runs depended on (see ``RoundRuns``).
+    """
+    read = set() if read is None else read
+    best = _VRounds(costs, microbatches, limit, switches, None, read).run()
     for _ in range(BUDGET.v_round_reruns):
         try:
-            again = _VRounds(costs, microbatches, limit, switches, best.clock.idle).run()
+            again = _VRounds(costs, microbatches, limit, switches, best.clock.idle, read).run()
         except (NoRoom, Unready):
             return Result.of_clock(best.clock)
         if max(again.clock.idle) >= max(best.clock.idle) - EPS:
@@ -55,12 +61,46 @@ def v_round_orders(costs: CostModel, microbatches: int, limit: float | None, swi
     return Result.of_clock(best.clock)
 
 
+class RoundRuns:
+    """``v_round_orders`` for any switch setting, each distinct run once.
+
+    A run whose ranks never met a long wait with a W pending never read its fill switches, so a
+    setting that differs only in switches a run did not read plans the same orders (or fails
+    the same way): that run's outcome is returned again instead of planning it anew.
+    """
+
+    def __init__(self, costs: CostModel, limit: float | None):
+        self.costs, self.limit = costs, limit
+        self.runs: dict[int, list[tuple[VRoundSwitches, set[str], Result | ScheduleError]]] = {}
+
+    def __call__(self, microbatches: int, switches: VRoundSwitches) -> Result:
+        runs = self.runs.setdefault(microbatches, [])
+        alike = (run for other, read, run in runs if all(getattr(other, f) == getattr(switches, f) for f in read))
+        outcome = next(alike, None)
+        if outcome is None:
+            read: set[str] = set()
+            try:
+                outcome = v_round_orders(self.costs, microbatches, self.limit, switches, read)
+            except (NoRoom, Unready) as error:
+                outcome = error
+            runs.append((switches, read, outcome))
+        if isinstance(outcome, ScheduleError):
+            raise outcome
+        return outcome
+
+
 class _VRounds:
     def __init__(
-        self, costs: CostModel, m: int, limit: float | None, switches: VRoundSwitches, allowed: list[float] | None
+        self,
+        costs: CostModel,
+        m: int,
+        limit: float | None,
+        switches: VRoundSwitches,
+        allowed: list[float] | None,
+        read: set[str],
     ):
         p = costs.pp
-        self.p, self.m, self.sw = p, m, switches
+        self.p, self.m, self.sw, self.read = p, m, switches, read
         self.limit = float("inf") if limit is None else limit + EPS
         self.clock = Clock(model_of((v_shape(p),), m, costs))
         model, code = self.clock.model, self.clock.model.encoding.code
@@ -134,20 +174,24 @@ class _VRounds:
                 raise NoRoom(f"rank {r} cannot fit its next pass under the memory limit")
             self._put_w(r)
 
-    def _fill(self, r: int, kind: int, long_wait_w: bool) -> None:
-        """Run pending Ws while the rank waits for an input from another rank."""
+    def _fill(self, r: int, kind: int, switch: str | None) -> None:
+        """Run pending Ws while the rank waits for an input from another rank; one more on a long wait
+        unless ``switch`` (a ``VRoundSwitches`` field) is off."""
         ready, clock = self._input(r, kind), self.clock
         if ready < 0 or not self.remote[r][kind]:
             return
         while self.pending[r] and ready >= clock.free[r] + self.pending[r][0][1] - EPS:
             self._put_w(r)
         budget = max(clock.most_idle, self.allowance[r]) - clock.idle[r]
-        if self.pending[r] and long_wait_w and ready - clock.free[r] > budget + EPS:
-            self._put_w(r)
+        if self.pending[r] and ready - clock.free[r] > budget + EPS:
+            if switch is not None:
+                self.read.add(switch)
+            if switch is None or getattr(self.sw, switch):
+                self._put_w(r)
 
-    def _step(self, r: int, kind: int, long_wait_w: bool) -> None:
+    def _step(self, r: int, kind: int, switch: str | None) -> None:
         self._room(r, self.delta[r][kind] if kind in (F0, F1) else 0.0)
-        self._fill(r, kind, long_wait_w)
+        self._fill(r, kind, switch)
         self._put(r, kind)
 
     # -- phases -------------------------------------------------------------------------------
@@ -188,9 +232,9 @@ class _VRounds:
             else:
                 down.append(r)
         for r in reversed(up):
-            self._step(r, B0, True)
+            self._step(r, B0, None)
         for r in down:
-            self._step(r, B1, self.sw.fill_b)
+            self._step(r, B1, "fill_b")
 
     def _f_round(self) -> None:
         p, m = self.p, self.m
@@ -208,4 +252,4 @@ class _VRounds:
                 continue
             if self._input(r, kind) < 0:
                 continue
-            self._step(r, kind, self.sw.fill_f)
+            self._step(r, kind, "fill_f")
