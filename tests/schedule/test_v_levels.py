@@ -37,6 +37,15 @@ def profile(p: int, name: str) -> CostModel:
     return CostModel(p, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=comm, mem_f=1, mem_b=-0.55, mem_w=-0.45)
 
 
+def uneven_memory(p: int) -> CostModel:
+    return CostModel(
+        p,
+        mem_f=[1.0 + 0.1 * s for s in range(p)],
+        mem_b=[-0.6 - 0.05 * s for s in range(p)],
+        mem_w=[-0.4 - 0.05 * s for s in range(p)],
+    )
+
+
 def gpt_like(p: int) -> CostModel:
     return CostModel(p, t_f=[1.2 if s in (0, p - 1) else 1.0 for s in range(p)], t_b=1.1, t_w=0.7, t_comm=0.05)
 
@@ -156,13 +165,7 @@ def test_polish_is_never_worse_and_keeps_the_limit(p):
 
 @pytest.mark.parametrize("p", [2, 4, 7])
 def test_the_closed_form_peak_is_the_peak_of_the_repeated_block(p):
-    uneven = CostModel(
-        p,
-        mem_f=[1.0 + 0.1 * s for s in range(p)],
-        mem_b=[-0.6 - 0.05 * s for s in range(p)],
-        mem_w=[-0.4 - 0.05 * s for s in range(p)],
-    )
-    for costs in (profile(p, "A"), uneven):
+    for costs in (profile(p, "A"), uneven_memory(p)):
         for block in sampled_blocks(p):
             schedule = as_schedule(block_orders(p, 3 * p, lambda _, r, b=block: list(b[r])), p, 3 * p)
             simulated = max(max(levels) for levels in memory_levels(schedule, costs))
@@ -190,13 +193,7 @@ def test_integer_timing_is_the_simulators():
 
 @pytest.mark.parametrize("p", [2, 3, 5, 8])
 def test_the_dualpipev_peak_v_auto_checks_on_2pp_microbatches_holds_for_any_number(p):
-    ramp = CostModel(
-        p,
-        mem_f=[1.0 + 0.1 * s for s in range(p)],
-        mem_b=[-0.6 - 0.05 * s for s in range(p)],
-        mem_w=[-0.4 - 0.05 * s for s in range(p)],
-    )
-    for costs in (profile(p, "A"), ramp):
+    for costs in (profile(p, "A"), uneven_memory(p)):
         for m in (2 * p + 1, 3 * p, 5 * p + 2):
             orders = dualpipev_orders(p, m)
             simulated = max(max(levels) for levels in memory_levels(as_schedule(orders, p, m), costs))
