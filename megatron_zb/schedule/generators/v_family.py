@@ -25,7 +25,7 @@ from ..simulate import memory_levels
 from .extend import planned, stretched
 from .greedy import ALL_SWITCHES
 from .result import Result
-from .search import Planner, Recipe, best, eval_microbatches, plan, searched
+from .search import Planner, Recipe, eval_microbatches, plan, searched
 from .torch_style import zbv_orders
 from .v_blocks import PERIOD, plain_peak, w_slots
 from .v_squeeze import squeezed_orders
@@ -144,7 +144,3 @@ def generate_v_half(spec: ScheduleSpec) -> Schedule:
 @register("zb-v", "zero bubble V: 1f1b's memory, about zero bubble for m >= 2pp, twice the PP messages")
 def generate_zb_v(spec: ScheduleSpec) -> Schedule:
     return plan(zb_v(spec))
-
-
-def zb_v_plan(spec: ScheduleSpec) -> Result:
-    return best(zb_v(spec))

@@ -37,51 +37,44 @@ def reordered_orders(
     p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
 ) -> list[list[Pass]] | None:
     """Per-rank orders of the block ``offsets`` (microbatch 0's slots of F0, F1, B1, B0 per rank)."""
-    codes = reordered_codes(p, m, offsets, fill)
+    codes = reordered_variants(p, m, offsets, (fill,))[0]
     return None if codes is None else [list(map(encoding_of((v_shape(p),), m).decode, row)) for row in codes]
-
-
-def reordered_codes(
-    p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
-) -> list[list[int]] | None:
-    """``reordered_orders`` as codes (``timing.Encoding`` of the V), for timing them."""
-    return reordered_variants(p, m, offsets, (fill,))[0]
 
 
 def reordered_variants(
     p: int, m: int, offsets: list[tuple[int, int, int, int]], fills: tuple[bool, ...] = (False, True)
 ) -> list[list[list[int]] | None]:
-    """``reordered_codes`` for each of ``fills``: steps 1-4 are done once."""
-    reps = max(m, 2 * p)
-    orders = _repeat(offsets, reps)
-    slots = pack(p, reps, orders)
-    given_up = [None] * len(fills)
-    if slots is None:
-        return given_up
-    bound = _peak(orders)
-    if bound > 2 * p:
-        return given_up
-    orders = [_warm_up(order, i, p, bound, reps) for i, order in enumerate(orders)]
-    slots = pack(p, reps, orders)
-    if slots is None or _peak(orders) > bound:
-        return given_up
-    if m < reps:
-        orders = [_drop_extra_ws([(t, k) for t, k in order if k < m or t >= W1], m) for order in orders]
-        slots = pack(p, m, orders)
-        if slots is None:
-            return given_up
-        bound = _peak(orders)
-    orders = _cool_down(orders, slots, p, m, _peak(orders))
-    if orders is None:
-        return given_up
-    slots = pack(p, m, orders)
-    if slots is None:
-        return given_up
+    """``reordered_orders`` as codes (``timing.Encoding`` of the V) for each of ``fills``; steps 1-4 run once."""
+    done = _steps(p, m, offsets)
+    if done is None:
+        return [None] * len(fills)
+    orders, slots, bound = done
     found = []
     for fill in fills:
         final = _fill_gaps(orders, slots, p, m, _peak(orders)) if fill else orders
         found.append(None if _peak(final) > bound else item_codes(p, m, final))
     return found
+
+
+def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Orders, list[list[int]], int] | None:
+    """Steps 1-4: the orders, their slots and the peak they may keep; None if the block is given up."""
+    reps = max(m, 2 * p)
+    orders = _repeat(offsets, reps)
+    bound = _peak(orders)
+    if pack(p, reps, orders) is None or bound > 2 * p:
+        return None
+    orders = [_warm_up(order, i, p, bound, reps) for i, order in enumerate(orders)]
+    slots = pack(p, reps, orders)
+    if slots is None or _peak(orders) > bound:
+        return None
+    if m < reps:
+        orders = [_drop_extra_ws([(t, k) for t, k in order if k < m or t >= W1], m) for order in orders]
+        slots, bound = pack(p, m, orders), _peak(orders)
+        if slots is None:
+            return None
+    orders = _cool_down(orders, slots, p, m, _peak(orders))
+    slots = None if orders is None else pack(p, m, orders)
+    return None if slots is None else (orders, slots, bound)
 
 
 def _repeat(offsets: list[tuple[int, int, int, int]], reps: int) -> Orders:
