@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..costs import CostModel
-from ..ir import Pass
+from ..ir import Pass, ScheduleError
 from ..placement import Placement
 from .result import Result, encoding_of, timed, timed_codes
 from .search import eval_microbatches
@@ -66,7 +66,10 @@ def stretched(plan: Callable[[int], Result], placement: Placement, costs: CostMo
     (``fewer_microbatches``), or planned for all where that is cheap or no steady period is found."""
     fewer = fewer_microbatches(m, placement)
     if fewer < m:
-        longer = extended(plan(fewer).codes, fewer, 3 * placement.chunks, m - fewer)
+        try:
+            longer = extended(plan(fewer).codes, fewer, 3 * placement.chunks, m - fewer)
+        except ScheduleError:
+            longer = None  # a plan that cannot run fewer may still run all of them
         result = None if longer is None else timed_codes(longer, placement, costs, m)
         if result is not None:
             return result
