@@ -61,34 +61,27 @@ def fewer_microbatches(m: int, placement: Placement) -> int:
     return m if fewer >= m else min(m, max(fewer, 3 * placement.pp))
 
 
-def stretched(plan: Callable[[int], Result], placement: Placement, costs: CostModel, m: int) -> Result:
-    """``plan``'s result for m microbatches: planned for fewer and extended on large settings
-    (``fewer_microbatches``), or planned for all where that is cheap or no steady period is found."""
+def stretched(
+    plan: Callable[[int], Result | Sequence[Sequence[Pass]]], placement: Placement, costs: CostModel, m: int
+) -> Result | None:
+    """``plan``'s result for m microbatches (orders of passes are timed; None if they deadlock): planned
+    for fewer and extended on large settings (``fewer_microbatches``), or planned for all where that is
+    cheap or the fewer do not stretch (refused, no steady period, or the longer orders deadlock)."""
     fewer = fewer_microbatches(m, placement)
     if fewer < m:
         try:
-            longer = extended(plan(fewer).codes, fewer, 3 * placement.chunks, m - fewer)
+            longer = extended(_codes(plan(fewer), placement, fewer), fewer, 3 * placement.chunks, m - fewer)
         except ScheduleError:
             longer = None  # a plan that cannot run fewer may still run all of them
         result = None if longer is None else timed_codes(longer, placement, costs, m)
         if result is not None:
             return result
-    return plan(m)
+    full = plan(m)
+    return full if isinstance(full, Result) else timed(full, placement, costs, m)
 
 
-def planned(
-    plan: Callable[[int], Sequence[Sequence[Pass]] | None], placement: Placement, costs: CostModel, m: int
-) -> Result | None:
-    """``plan``'s orders for m microbatches, timed: planned for fewer and extended on large settings
-    (``fewer_microbatches``), or planned for all where that is cheap or no steady period is found."""
-    fewer = fewer_microbatches(m, placement)
-    if fewer < m:
-        orders = plan(fewer)
-        if orders is not None:
-            encode = encoding_of((placement,), fewer).encode
-            codes = [[encode(x) for x in order] for order in orders]
-            longer = extended(codes, fewer, 3 * placement.chunks, m - fewer)
-            if longer is not None:
-                return timed_codes(longer, placement, costs, m)
-    orders = plan(m)
-    return None if orders is None else timed(orders, placement, costs, m)
+def _codes(planned: Result | Sequence[Sequence[Pass]], placement: Placement, m: int) -> list[list[int]]:
+    if isinstance(planned, Result):
+        return planned.codes
+    encode = encoding_of((placement,), m).encode
+    return [[encode(x) for x in order] for order in planned]

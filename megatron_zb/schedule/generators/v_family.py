@@ -22,7 +22,7 @@ from ..ir import B, F, Pass, Schedule, ScheduleError, W
 from ..placement import v_shape
 from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
-from .extend import planned, stretched
+from .extend import stretched
 from .greedy import ALL_SWITCHES
 from .result import Result
 from .search import Planner, Recipe, eval_microbatches, plan, searched
@@ -95,7 +95,7 @@ def block_results(spec: ScheduleSpec, offsets) -> list[Result]:
     p, m, costs = spec.pp, spec.microbatches, spec.cost_model()
     found = []
     for orders in (block_orders, squeezed_orders):
-        result = planned(lambda n, make=orders: make(p, n, offsets), v_shape(p), costs, m)
+        result = stretched(lambda n, make=orders: make(p, n, offsets), v_shape(p), costs, m)
         if result is not None:
             found.append(result)
     return found
@@ -127,7 +127,7 @@ def zb_v(spec: ScheduleSpec) -> Recipe:
     v_spec("zb-v", spec)
     limit, p, costs = one_f_one_b_peak(spec), spec.pp, spec.cost_model()
     planners = v_round_planners(costs, limit)
-    seed = planned(lambda n: zbv_orders(p, n), v_shape(p), costs, spec.microbatches)
+    seed = stretched(lambda n: zbv_orders(p, n), v_shape(p), costs, spec.microbatches)
     return searched("zb-v", spec, v_shape(p), limit, [seed] if seed else [], planners, V_SWITCHES, lean=True)
 
 
