@@ -27,13 +27,15 @@ from functools import cache
 from itertools import permutations
 
 from ..costs import CostModel
-from ..ir import PassKind
+from ..ir import Pass, PassKind
 from ..placement import v_shape
 from ..timing import run
 from .result import encoding_of, model_of
 
 PERIOD = 6
 F0, F1, B1, B0 = range(4)  # a microbatch's passes on a rank of the V, in slot-model items; higher types are Ws
+W1, W0 = 4, 5  # where a W's chunk is known: the late chunk's W and the early chunk's
+RISE = (1, 1, 0, 0, -1, -1)  # slot-model memory per item (chunk activations)
 Offsets = tuple[tuple[int, int, int, int], ...]  # per rank: absolute slots of F0, F1, B1, B0 of microbatch 0
 
 
@@ -80,6 +82,44 @@ def w_slots(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
     return b1 + gap1, b0 + gap0
 
 
+def repeated(offsets: Sequence[tuple[int, int, int, int]], reps: int) -> list[list[tuple[int, int]]]:
+    """Each rank's items of the block repeated ``reps`` times; W1 and W0 take the first free residues."""
+    orders = []
+    for f0, f1, b1, b0 in offsets:
+        w1, w0 = w_slots(f0, f1, b1, b0)
+        bases = ((f0, F0), (f1, F1), (b1, B1), (b0, B0), (w1, W1), (w0, W0))
+        orders.append([(t, k) for _, k, t in sorted((s + PERIOD * k, k, t) for s, t in bases for k in range(reps))])
+    return orders
+
+
+def item_bases(p: int, m: int) -> list[list[int]]:
+    """Per rank, the codes (``timing.Encoding`` of the V) of microbatch 0's F0, F1, B1, B0, W1 and W0;
+    microbatch k's are k more."""
+    code, found = encoding_of((v_shape(p),), m).code, []
+    for r in range(p):
+        early, late = r, 2 * p - 1 - r
+        kinds = ((PassKind.F, early), (PassKind.F, late), (PassKind.B, late), (PassKind.B, early))
+        found.append([code(kind, block, 0) for kind, block in (*kinds, (PassKind.W, late), (PassKind.W, early))])
+    return found
+
+
+def item_passes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[Pass]]:
+    """Per-rank items whose Ws say their chunk (W1, W0) as passes."""
+    bases, decode = item_bases(p, m), encoding_of((v_shape(p),), m).decode
+    return [[decode(bases[r][t] + k) for t, k in order] for r, order in enumerate(orders)]
+
+
+def producer(p: int, r: int, t: int) -> tuple[int, int] | None:
+    """(rank, type) of the pass of the same microbatch (the k-th W: the k-th B) that must run first:
+    the V's data flow, F0 and B1 down the ranks, F1 and B0 up; None for F0 on rank 0."""
+    if t >= W1:
+        return r, t - 2
+    source = r - 1 if t in (F0, B1) else r + 1
+    if 0 <= source < p:
+        return source, t
+    return None if t == F0 else (r, t - 1)  # the V's turns: F0 -> F1 on the last rank, F1 -> B1 on rank 0
+
+
 @cache
 def _w_gaps(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
     """Slots from B1 to W1 and from B0 to W0: each W in the first free residue after its B."""
@@ -102,22 +142,15 @@ def all_blocks(p: int) -> dict[Offsets, tuple[bool, int, int]]:
     found: dict[Offsets, tuple[bool, int, int]] = {}
     for pattern in permutations(range(1, PERIOD), 3):
         for d_first in range(1, PERIOD):
-            first = _residues((0, *pattern), d_first, p - 1)  # up to the first rank where two collide
+            first = len(_residues((0, *pattern), d_first, p - 1)) - 1  # hops before two passes collide
             for d_rest in range(1, d_first + 1):
                 # d_rest = d_first: every first_ranks gives the same block
-                for hops in range(1, min(len(first) - 1, p - 1 if d_rest < d_first else 1) + 1) if p > 1 else (0,):
-                    rest = _residues(first[hops], d_rest, p - 1 - hops)
-                    if len(rest) < p - hops:
-                        continue
-                    residues = first[: hops + 1] + rest[1:]
-                    offsets = _walk(residues)
-                    if offsets in found:
+                for hops in range(1, min(first, p - 1 if d_rest < d_first else 1) + 1) if p > 1 else (0,):
+                    offsets = block_offsets(p, pattern, d_first, d_rest, hops)
+                    if offsets is None or offsets in found:
                         continue
                     tight = min(d_first, d_rest if hops < p - 1 else d_first) < 2
-                    gaps = map(_w_gaps, *zip(*residues, strict=True))  # each W's slot after its B (w_slots)
-                    life = max(
-                        max(b1 + g1, b0 + g0) - f0 for (f0, _, b1, b0), (g1, g0) in zip(offsets, gaps, strict=True)
-                    )
+                    life = max(max(w_slots(*slots)) - slots[0] for slots in offsets)
                     found[offsets] = (tight, -d_first, life)
     return found
 
@@ -210,12 +243,8 @@ def pack(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[li
 def item_codes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]] | None:
     """Slot-model items as passes (``timing.Encoding`` codes of the V): a W belongs to the oldest B of its
     rank still without one (the slot model does not say which chunk's W runs); None if a W comes first."""
-    code = encoding_of((v_shape(p),), m).code
     codes = []
-    for r, order in enumerate(orders):
-        blocks = (r, 2 * p - 1 - r, 2 * p - 1 - r, r)  # of F0, F1, B1, B0
-        firsts = [code(PassKind.F if t < B1 else PassKind.B, blocks[t], 0) for t in range(4)]  # + microbatch
-        weights = [code(PassKind.W, blocks[t], 0) for t in range(4)]
+    for order, bases in zip(orders, item_bases(p, m), strict=True):
         waiting: deque[int] = deque()
         row = []
         for t, k in order:
@@ -224,9 +253,9 @@ def item_codes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> l
                     return None
                 row.append(waiting.popleft())
                 continue
-            row.append(firsts[t] + k)
+            row.append(bases[t] + k)
             if t >= B1:
-                waiting.append(weights[t] + k)
+                waiting.append(bases[t + 2] + k)  # B1's W is W1, B0's W0
         codes.append(row)
     return codes
 

@@ -18,7 +18,7 @@ rank holds one early and one late block and memory is balanced across ranks.
 from __future__ import annotations
 
 from ..costs import CostModel
-from ..ir import B, F, Pass, Schedule, ScheduleError, W
+from ..ir import Pass, Schedule, ScheduleError
 from ..placement import v_shape
 from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
@@ -27,7 +27,7 @@ from .greedy import ALL_SWITCHES
 from .result import Result
 from .search import Planner, Recipe, eval_microbatches, plan, searched
 from .torch_style import zbv_orders
-from .v_blocks import PERIOD, plain_peak, w_slots
+from .v_blocks import PERIOD, item_passes, plain_peak, repeated
 from .v_squeeze import squeezed_orders
 from .zbv_rounds import V_ROUND_SWITCHES, RoundRuns
 
@@ -46,26 +46,10 @@ def v_half_offsets(p: int, i: int) -> list[int]:
 
 def block_orders(p: int, m: int, offsets) -> list[list[Pass]]:
     """Repeat the building block for every microbatch and read off each rank's order."""
-    orders = []
     for rank in range(p):
-        f0, f1, b1, b0 = offsets(p, rank)
-        if len({slot % PERIOD for slot in (f0, f1, b1, b0)}) != 4:
+        if len({slot % PERIOD for slot in offsets(p, rank)}) != 4:
             raise ScheduleError(f"building block offsets {offsets(p, rank)} collide for pp={p}, rank {rank}")
-        w1, w0 = w_slots(f0, f1, b1, b0)
-        early, late = rank, 2 * p - 1 - rank
-        slots = []
-        for mb in range(m):
-            base = PERIOD * mb
-            slots += [
-                (base + f0, F(early, mb)),
-                (base + f1, F(late, mb)),
-                (base + b1, B(late, mb)),
-                (base + b0, B(early, mb)),
-                (base + w1, W(late, mb)),
-                (base + w0, W(early, mb)),
-            ]
-        orders.append([p_ for _, p_ in sorted(slots)])
-    return orders
+    return item_passes(p, m, repeated([tuple(offsets(p, rank)) for rank in range(p)], m))
 
 
 def v_spec(name: str, spec: ScheduleSpec) -> None:

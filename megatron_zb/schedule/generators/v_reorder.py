@@ -25,10 +25,8 @@ from __future__ import annotations
 from ..ir import Pass
 from ..placement import v_shape
 from .result import encoding_of
-from .v_blocks import B0, B1, F0, F1, item_codes, pack, w_slots
+from .v_blocks import B0, B1, F0, F1, RISE, W0, W1, item_codes, pack, producer, repeated
 
-W1, W0 = 4, 5  # the late chunk's W and the early chunk's, after F0, F1, B1, B0 (v_blocks.py)
-RISE = (1, 1, 0, 0, -1, -1)
 Item = tuple[int, int]  # (type, microbatch)
 Orders = list[list[Item]]
 
@@ -59,7 +57,7 @@ def reordered_variants(
 def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Orders, list[list[int]], int] | None:
     """Steps 1-4: the orders, their slots and the peak they may keep; None if the block is given up."""
     reps = max(m, 2 * p)
-    orders = _repeat(offsets, reps)
+    orders = repeated(offsets, reps)
     bound = _peak(orders)
     if pack(p, reps, orders) is None or bound > 2 * p:
         return None
@@ -77,16 +75,6 @@ def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Or
     return None if slots is None else (orders, slots, bound)
 
 
-def _repeat(offsets: list[tuple[int, int, int, int]], reps: int) -> Orders:
-    """Each rank's order of the block repeated ``reps`` times; W1 and W0 take the first free residues."""
-    orders = []
-    for f0, f1, b1, b0 in offsets:
-        w1, w0 = w_slots(f0, f1, b1, b0)
-        bases = ((f0, F0), (f1, F1), (b1, B1), (b0, B0), (w1, W1), (w0, W0))
-        orders.append([(t, k) for _, k, t in sorted((s + 6 * k, k, t) for s, t in bases for k in range(reps))])
-    return orders
-
-
 def _peak(orders: Orders) -> int:
     peak = 0
     for order in orders:
@@ -95,13 +83,6 @@ def _peak(orders: Orders) -> int:
             level += RISE[t]
             peak = max(peak, level)
     return peak
-
-
-def _source(p: int, r: int, t: int) -> int | None:
-    """The rank whose pass of the same type and microbatch feeds this one (None: its own rank)."""
-    if t in (F0, B1):
-        return r - 1 if r else None
-    return r + 1 if r < p - 1 else None
 
 
 def _warm_up(order: list[Item], i: int, p: int, peak: int, reps: int) -> list[Item]:
@@ -241,23 +222,13 @@ def _fill_one(cells: list[Item | None], where: list, r: int, j: int, p: int, roo
         if t in tried:
             continue
         tried.add(t)
-        needs = _producer(p, r, t)
+        needs = producer(p, r, t)
         if (RISE[t] <= 0 or below < room) and (needs is None or where[needs[0]][needs[1]][k] < j):
             cells[j], cells[s] = item, None
             where[r][t][k] = j
             return
         if len(tried) == 6:
             return
-
-
-def _producer(p: int, r: int, t: int) -> tuple[int, int] | None:
-    """(rank, type) of the pass of the same microbatch (the k-th W: the k-th B) that must run first."""
-    if t >= W1:
-        return r, t - 2
-    source = _source(p, r, t)
-    if source is not None:
-        return source, t
-    return None if t == F0 else (r, t - 1)  # the V's turns: F0 -> F1 on the last rank, F1 -> B1 on rank 0
 
 
 def _numbered(order: list[Item]) -> list[Item]:

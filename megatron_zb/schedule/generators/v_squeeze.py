@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..ir import B, F, Pass, W
-from .v_blocks import B0, B1, F0, F1, pack
+from ..ir import Pass
+from .v_blocks import B0, B1, F0, RISE, item_passes, pack, producer
 
 WS = 4  # slot types on a rank: the V's four passes of a microbatch (v_blocks.py), and W
-RISE = (1, 1, 0, 0, -1)  # slot-model memory per pass (chunk activations)
 
 Offsets = Callable[[int, int], list[int]]
 Slots = list[list[list[int]]]  # rank -> type -> microbatch -> slot
@@ -41,17 +40,8 @@ def squeezed_orders(p: int, m: int, offsets: Offsets) -> list[list[Pass]]:
     for ranks in slots:
         ranks.append(_ws_after_bs(ranks, split=False)[0])
     slots = [ranks[:4] for ranks in _as_early_as_possible(slots, p, m)]
-    orders = []
-    for r, ranks in enumerate(slots):
-        early, late = r, 2 * p - 1 - r
-        w_late, w_early = _ws_after_bs(ranks, split=True)
-        items = []
-        for t, block, make in ((F0, early, F), (F1, late, F), (B1, late, B), (B0, early, B)):
-            items += [(slot, make(block, k)) for k, slot in enumerate(ranks[t])]
-        items += [(slot, W(late, k)) for k, slot in enumerate(w_late)]
-        items += [(slot, W(early, k)) for k, slot in enumerate(w_early)]
-        orders.append([p_ for _, p_ in sorted(items)])
-    return orders
+    orders = [[(t, k) for _, t, k in _items([*ranks, *_ws_after_bs(ranks, split=True)])] for ranks in slots]
+    return item_passes(p, m, orders)  # the Ws of the late chunk (W1) and the early chunk (W0)
 
 
 def _ws_after_bs(ranks: list[list[int]], split: bool) -> list[list[int]]:
@@ -77,25 +67,21 @@ def _ws_after_bs(ranks: list[list[int]], split: bool) -> list[list[int]]:
 
 def _inputs(p: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
     """(rank, type, microbatch) that come first: the V's data flow, the chain on the rank, the microbatch before."""
-    found = []
-    if t == F0 and r > 0:
-        found.append((r - 1, F0, k))
-    elif t == B1 and r > 0:
-        found.append((r - 1, B1, k))
-    elif t == F1 and r < p - 1:
-        found.append((r + 1, F1, k))
-    elif t == B0 and r < p - 1:
-        found.append((r + 1, B0, k))
-    if 0 < t < WS:
-        found.append((r, t - 1, k))
-    if k > 0:
-        found.append((r, t, k - 1))
-    return found
+    found = [(r, t - 1, k)] if t else []
+    source = producer(p, r, t)
+    if source is not None:
+        found.append((*source, k))
+    return found + [(r, t, k - 1)] if k else found
+
+
+def _items(ranks: list[list[int]]) -> list[tuple[int, int, int]]:
+    """A rank's (slot, type, microbatch) in slot order."""
+    return sorted((slot, t, k) for t, row in enumerate(ranks) for k, slot in enumerate(row))
 
 
 def _as_early_as_possible(slots: Slots, p: int, m: int) -> Slots:
     """Close the gaps: every rank's slot order run as early as possible, one slot per pass (v_blocks.pack)."""
-    orders = [sorted((slot, t, k) for t, row in enumerate(ranks) for k, slot in enumerate(row)) for ranks in slots]
+    orders = [_items(ranks) for ranks in slots]
     packed = pack(p, m, [[(t, k) for _, t, k in order] for order in orders])
     assert packed is not None, "every input sits in an earlier slot"
     start: Slots = [[[0] * len(row) for row in ranks] for ranks in slots]

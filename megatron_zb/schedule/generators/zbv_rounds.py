@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..costs import CostModel
-from ..ir import PassKind, ScheduleError
+from ..ir import ScheduleError
 from ..placement import v_shape
 from ..timing import EPS, Clock
 from .budget import BUDGET
 from .result import Result, model_of
+from .v_blocks import B0, B1, F0, F1, item_bases
 from .zb_rounds import NoRoom
-
-F0, F1, B1, B0 = range(4)  # a microbatch's passes on a rank of the V, in dependency order
 
 
 @dataclass(frozen=True)
@@ -103,23 +102,13 @@ class _VRounds:
         self.p, self.m, self.sw, self.read = p, m, switches, read
         self.limit = float("inf") if limit is None else limit + EPS
         self.clock = Clock(model_of((v_shape(p),), m, costs))
-        model, code = self.clock.model, self.clock.model.encoding.code
-        # per rank and pass (F0, F1, B1, B0): the code of microbatch 0, then + k
-        self.base = [
-            (
-                code(PassKind.F, r, 0),
-                code(PassKind.F, 2 * p - 1 - r, 0),
-                code(PassKind.B, 2 * p - 1 - r, 0),
-                code(PassKind.B, r, 0),
-            )
-            for r in range(p)
-        ]
-        # per rank and pass: what it takes, allocates, whether its input crosses ranks; for B1 and B0 their W's code
+        model = self.clock.model
+        # per rank and pass (F0, F1, B1, B0, then W1, W0): the code of microbatch 0, then + k
+        self.base = item_bases(p, m)
+        # per rank and pass: what it takes, allocates, whether its input crosses ranks
         self.time = [[model.duration(c) for c in row] for row in self.base]
         self.delta = [[model.delta(c) for c in row] for row in self.base]
         self.remote = [[model.remote[c // m] for c in row] for row in self.base]
-        self.weight = [(0, 0, code(PassKind.W, 2 * p - 1 - r, 0), code(PassKind.W, r, 0)) for r in range(p)]
-        self.w_time = [(model.duration(w1), model.duration(w0)) for _, _, w1, w0 in self.weight]
         self.count = [[0] * 4 for _ in range(p)]  # per rank and pass: how many ran
         self.known = [[-1.0] * 4 for _ in range(p)]  # when the next one's input arrives (-1: not known yet)
         self.pending: list[deque[tuple[int, float]]] = [deque() for _ in range(p)]  # (W code, its time), oldest first
@@ -163,7 +152,7 @@ class _VRounds:
         self.count[r][kind] += 1
         self.known[r][kind] = -1.0
         if kind >= B1:
-            self.pending[r].append((self.weight[r][kind] + code % self.m, self.w_time[r][kind - B1]))
+            self.pending[r].append((self.base[r][kind + 2] + code % self.m, self.time[r][kind + 2]))  # its W
 
     def _put_w(self, r: int) -> None:
         self.clock.place(self.pending[r].popleft()[0])
