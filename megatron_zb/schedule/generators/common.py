@@ -1,11 +1,10 @@
-"""Small helpers shared by the generators (one-chunk schedules, the W queue of a rank)."""
+"""Small helpers shared by the generators (one-chunk schedules)."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
-from ..ir import Pass, Schedule, ScheduleError, W
+from ..ir import Pass, Schedule, ScheduleError
 from ..placement import linear
 from ..registry import ScheduleSpec
 
@@ -18,23 +17,3 @@ def linear_schedule(name: str, spec: ScheduleSpec, rank_order: Callable[[int, in
         raise ScheduleError(f"{name} runs one chunk per rank, got --chunks {spec.chunks}; {ONE_CHUNK_HINT}")
     p, m = spec.pp, spec.microbatches
     return Schedule(name, (linear(p),), m, tuple(tuple(rank_order(rank, p, m)) for rank in range(p)))
-
-
-class PendingW:
-    """Ws a rank has deferred, run oldest first."""
-
-    def __init__(self, stage: int, pipe: int = 0):
-        self._stage, self._pipe = stage, pipe
-        self._queue: deque[int] = deque()
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def defer(self, microbatch: int) -> None:
-        self._queue.append(microbatch)
-
-    def pop(self) -> Pass:
-        return W(self._stage, self._queue.popleft(), self._pipe)
-
-    def flush(self) -> list[Pass]:
-        return [self.pop() for _ in range(len(self._queue))]

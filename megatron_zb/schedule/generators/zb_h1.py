@@ -6,23 +6,25 @@ rank 0 sooner, which cuts the bubble to (pp-1)(T_F+T_B-T_W).
 
 from __future__ import annotations
 
-from ..ir import B, F, Pass, Schedule
+from collections import deque
+
+from ..ir import B, F, Pass, Schedule, W
 from ..registry import ScheduleSpec, register
-from .common import PendingW, linear_schedule
+from .common import linear_schedule
 
 
 def rank_order(rank: int, p: int, m: int) -> list[Pass]:
     warmup = min(p - 1 - rank, m)
-    pending = PendingW(rank)
+    pending: deque[int] = deque()  # microbatches whose W is deferred, oldest first
     order = [F(rank, mb) for mb in range(warmup)]
     for mb in range(m):
         if warmup + mb < m:
             order.append(F(rank, warmup + mb))
         order.append(B(rank, mb))
-        pending.defer(mb)
+        pending.append(mb)
         if len(pending) > rank:
-            order.append(pending.pop())
-    return order + pending.flush()
+            order.append(W(rank, pending.popleft()))
+    return order + [W(rank, mb) for mb in pending]
 
 
 @register("zb-h1", "zero bubble H1: split backward, same memory as 1f1b, about a third of its bubble")

@@ -9,23 +9,26 @@ bound for any schedule with unit costs.
 
 from __future__ import annotations
 
-from ..ir import B, F, Pass, Schedule
+from collections import deque
+
+from ..ir import B, F, Pass, Schedule, W
 from ..registry import ScheduleSpec, register
-from .common import PendingW, linear_schedule
+from .common import linear_schedule
 
 
 def rank_order(rank: int, p: int, m: int) -> list[Pass]:
     warmup = min(2 * (p - rank) - 1, m)
-    pending, keep = PendingW(rank), min(2 * rank, max(0, m - p + rank))
+    keep = min(2 * rank, max(0, m - p + rank))
+    pending: deque[int] = deque()  # microbatches whose W is deferred, oldest first
     order = [F(rank, mb) for mb in range(warmup)]
     for mb in range(m):
         order.append(B(rank, mb))
-        pending.defer(mb)
+        pending.append(mb)
         if len(pending) > keep:
-            order.append(pending.pop())
+            order.append(W(rank, pending.popleft()))
         if warmup + mb < m:
             order.append(F(rank, warmup + mb))
-    return order + pending.flush()
+    return order + [W(rank, mb) for mb in pending]
 
 
 @register("zb-h2", "zero bubble H2: split backward, zero bubble for m >= 2pp-1, peak 2pp-1 microbatches")
