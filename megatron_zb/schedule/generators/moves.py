@@ -17,7 +17,7 @@ from ..actions import spec
 from ..costs import CostModel
 from ..ir import Pass, PassKind
 from ..timing import COMPUTE, DEFERRABLE, EPS, run
-from .result import Result, model_of
+from .result import Result, model_of, timed_codes
 
 Orders = Sequence[Sequence[Pass]]
 # a kind playing several roles -> the kinds playing one each, in the order of its roles (BW -> B, W)
@@ -101,9 +101,4 @@ def fill_idle(
                 level += model.delta(queue[0])
                 filled.append(queue.popleft())
         orders.append(filled + (trailing(list(queue), filled[-1], block) if filled else list(queue)))
-    return _timed(model, orders)
-
-
-def _timed(model, orders: list[list[int]]) -> Result | None:
-    clock = run(model, orders)
-    return None if clock is None else Result.of_clock(clock)
+    return timed_codes(orders, placements, costs, m)

@@ -58,7 +58,7 @@ def best(recipe: Recipe) -> Result:
     found = _best_plan(recipe, recipe.planners)
     for make in recipe.seeds:
         for seed in make():
-            result = seed if isinstance(seed, Result) else timed_schedule(seed, _costs(recipe), recipe.limit)
+            result = seed if isinstance(seed, Result) else timed_schedule(seed, recipe.spec.cost_model(), recipe.limit)
             found = _better(recipe, found, result)
     if found is None and recipe.fallback is not None:
         found = _best_plan(recipe, recipe.fallback())
@@ -82,12 +82,8 @@ def plan(recipe: Recipe) -> Schedule:
     if recipe.refine and spec.refine_seconds > 0:
         from ..refine import refine
 
-        schedule = refine(schedule, _costs(recipe), recipe.limit, spec.refine_seconds)
+        schedule = refine(schedule, spec.cost_model(), recipe.limit, spec.refine_seconds)
     return schedule
-
-
-def _costs(recipe: Recipe) -> CostModel:
-    return recipe.spec.cost_model()
 
 
 def _better(recipe: Recipe, found: Result | None, result: Result | None) -> Result | None:
@@ -101,7 +97,7 @@ def _best_plan(recipe: Recipe, planners: Sequence[Planner]) -> Result | None:
     if not planners:
         return None
     placement, m = recipe.placements[0], recipe.spec.microbatches
-    floor = round(m * lower_bound(_costs(recipe), placement), 9)
+    floor = round(m * lower_bound(recipe.spec.cost_model(), placement), 9)
     m_eval = eval_microbatches(m, placement)
     ranked: list[tuple[tuple, int]] = []
     found: Result | None = None

@@ -95,9 +95,9 @@ def dualpipev(spec: ScheduleSpec, limit: float | None) -> list[Schedule]:
     return [Schedule("v-auto", (v_shape(p),), m, tuple(map(tuple, dualpipev_orders(p, m))))]
 
 
-def dualpipev_peak(p: int, costs: CostModel, m: int | None = None) -> float:
-    """The DualPipeV order's peak memory on any rank, for m microbatches (default 2pp)."""
-    m = 2 * p if m is None else m
+def dualpipev_peak(p: int, costs: CostModel) -> float:
+    """The DualPipeV order's peak memory on any rank, for 2pp microbatches."""
+    m = 2 * p
     encode, model = encoding_of((v_shape(p),), m).encode, model_of((v_shape(p),), m, costs)
     return max(model.peak([encode(x) for x in order]) for order in dualpipev_orders(p, m))
 

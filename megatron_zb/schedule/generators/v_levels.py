@@ -87,7 +87,7 @@ def _level(
     for block in finalists:
         squeezed = () if stretched else (_squeezed(p, m, costs, block),)
         reordered = (
-            [_reordered(p, m, costs, block, False), filled[block]] if m == sample else _reorders(p, m, costs, block)
+            _reorders(p, m, costs, block, (False,)) + [filled[block]] if m == sample else _reorders(p, m, costs, block)
         )
         for result in (*squeezed, *reordered):
             if result is not None and (not lone or result.peak <= fits):
@@ -102,7 +102,7 @@ def _finalists(
     ``filled`` gets each block's screening order."""
     screened: dict[int, list[tuple[tuple[float, float, float], int]]] = {}
     for index, block in enumerate(blocks):
-        filled[block] = result = _reordered(p, sample, costs, block, True)
+        filled[block] = result = _reorders(p, sample, costs, block, (True,))[0]
         if result is not None and result.peak <= fits:
             screened.setdefault(_bucket(result.peak, costs), []).append((result.score(), index))
     finalists: list[Offsets] = []
@@ -140,10 +140,6 @@ def _squeezed(p: int, m: int, costs: CostModel, block: Offsets) -> Result:
     result = timed(squeezed_orders(p, m, lambda _, r: block[r]), v_shape(p), costs, m)
     assert result is not None, "a squeezed block keeps every input before its pass"
     return result
-
-
-def _reordered(p: int, m: int, costs: CostModel, block: Offsets, fill: bool) -> Result | None:
-    return _reorders(p, m, costs, block, (fill,))[0]
 
 
 def _reorders(p: int, m: int, costs: CostModel, block: Offsets, fills=(False, True)) -> list[Result | None]:

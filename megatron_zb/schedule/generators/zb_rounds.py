@@ -70,12 +70,6 @@ class _Rounds:
                 self._put(s, W)
         return Result.of_clock(self.clock)
 
-    def _time(self, s: int, kind: int) -> float:
-        return self.cost[kind][s]
-
-    def _delta(self, s: int, kind: int) -> float:
-        return self.delta[kind][s]
-
     def _arrival(self, s: int, kind: int) -> float:
         """When the input of the stage's next F or B is ready on its rank."""
         return self.clock.ready(self.base[kind] + s * self.m + self.done[kind][s])
@@ -92,7 +86,7 @@ class _Rounds:
             self.pending[s].append(code % self.m)
 
     def _make_room(self, s: int, kind: int) -> None:
-        while self.clock.level[s] + self._delta(s, kind) > self.limit:
+        while self.clock.level[s] + self.delta[kind][s] > self.limit:
             if not self.pending[s]:
                 raise NoRoom(f"stage {s} cannot fit its next {KINDS[kind]} under the memory limit")
             self._put(s, W)
@@ -100,7 +94,7 @@ class _Rounds:
     def _wait_with_ws(self, s: int, arrival: float) -> None:
         """Fill the wait for an input with pending Ws (see the module docstring)."""
         clock = self.clock
-        while self.pending[s] and clock.free[s] + self._time(s, W) <= arrival + EPS:
+        while self.pending[s] and clock.free[s] + self.cost[W][s] <= arrival + EPS:
             self._put(s, W)
         if self.pending[s] and clock.free[s] < arrival - EPS:
             budget = clock.most_idle - clock.idle[s]
@@ -119,16 +113,16 @@ class _Rounds:
         for s in range(n):
             self._step(s, F, s > 0)
         extra = [0] * n
-        back = clock.free[n - 1] + self._time(n - 1, B)  # when the last stage's B of microbatch 0 ends
+        back = clock.free[n - 1] + self.cost[B][n - 1]  # when the last stage's B of microbatch 0 ends
         for s in range(n - 2, -1, -1):
             mem, t = clock.level[s], clock.free[s]
-            while self.done[F][s] + extra[s] < m and mem + self._delta(s, F) <= self.limit:
-                if (t >= back + self.comm) if self.sw.overrun else (t + self._time(s, F) > back + self.comm + EPS):
+            while self.done[F][s] + extra[s] < m and mem + self.delta[F][s] <= self.limit:
+                if (t >= back + self.comm) if self.sw.overrun else (t + self.cost[F][s] > back + self.comm + EPS):
                     break
-                mem += self._delta(s, F)
-                t += self._time(s, F)
+                mem += self.delta[F][s]
+                t += self.cost[F][s]
                 extra[s] += 1
-            back = max(t, back + self.comm) + self._time(s, B)
+            back = max(t, back + self.comm) + self.cost[B][s]
         for s in range(1, n):  # each stage holds fewer forwards than the one before it
             if self.done[F][s] + extra[s] < m:
                 extra[s] = max(0, min(extra[s], extra[s - 1] - 1))
@@ -159,14 +153,14 @@ class _Rounds:
     def _f_pays_off(self, s: int) -> bool:
         """Whether a stage already ahead should run an F now rather than wait for its B."""
         clock = self.clock
-        back = clock.free[s + 1] + self._time(s + 1, F) + self._time(s + 1, B) + self.comm
+        back = clock.free[s + 1] + self.cost[F][s + 1] + self.cost[B][s + 1] + self.comm
         if clock.free[s] >= back:
             return False
-        room, extra, queue = clock.level[s] + self._delta(s, F), 0.0, len(self.pending[s])
+        room, extra, queue = clock.level[s] + self.delta[F][s], 0.0, len(self.pending[s])
         while room > self.limit and queue:
-            room += self._delta(s, W)
-            extra += self._time(s, W)
+            room += self.delta[W][s]
+            extra += self.cost[W][s]
             queue -= 1
-        if clock.free[s] + self._time(s, F) + extra <= back:
+        if clock.free[s] + self.cost[F][s] + extra <= back:
             return True
         return back - clock.free[s] > clock.most_idle - clock.idle[s]

@@ -128,9 +128,6 @@ class _VRounds:
         return self
 
     # -- inputs -------------------------------------------------------------------------------
-    def _next(self, r: int, kind: int) -> int:
-        return self.base[r][kind] + self.count[r][kind]
-
     def _input(self, r: int, kind: int) -> float:
         """When the input of rank r's next pass of this kind is ready (-1: not yet, or none left)."""
         known = self.known[r]
@@ -143,7 +140,7 @@ class _VRounds:
     def _put(self, r: int, kind: int) -> None:
         if self.count[r][kind] >= self.m:
             raise Unready(f"rank {r} has no pass of kind {kind} left")
-        code = self._next(r, kind)
+        code = self.base[r][kind] + self.count[r][kind]
         if self._input(r, kind) < 0:
             where = self.clock.model.encoding.decode(code)
             raise Unready(f"rank {r}: the input of block {where.stage} microbatch {where.microbatch} is not there")
