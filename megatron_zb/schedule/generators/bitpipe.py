@@ -29,8 +29,8 @@ from collections import deque
 from ..ir import BW, F, Pass, Schedule, ScheduleError
 from ..placement import Placement, mirrored, v_shape
 from ..registry import ScheduleSpec, register
-from .moves import fill_idle, split_backward
-from .search import Move, Recipe, plan
+from .moves import fill_idle, split_filled
+from .search import Move
 
 
 def check_setting(name: str, spec: ScheduleSpec) -> None:
@@ -134,17 +134,5 @@ def generate_zb(spec: ScheduleSpec) -> Schedule:
     """BitPipe's order split (each W right after its B), and its Ws moved into idle time when that is better."""
     check_setting("bitpipe-zb", spec)
     costs, limit = spec.cost_model(), spec.memory_limit
-    at_once = Schedule("bitpipe-zb", _placements(spec), spec.microbatches, split_backward(generate(spec).orders))
     fill = Move(lambda result: fill_idle(result, costs, limit))
-    return plan(
-        Recipe(
-            "bitpipe-zb",
-            spec,
-            at_once.placements,
-            None,
-            seeds=(lambda: [at_once],),
-            moves=(fill,),
-            shared=_shared(spec),
-            refine=False,
-        )
-    )
+    return split_filled("bitpipe-zb", spec, generate(spec), fill)  # its shared blocks too

@@ -19,13 +19,11 @@ reduction, which the simulator shows once the schedule is lowered with REDUCE_GR
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..ir import BW, F, Pass, Schedule, ScheduleError
 from ..placement import Placement, interleaved
 from ..registry import ScheduleSpec, register
-from .moves import by_block, fill_idle, split_backward
-from .search import Move, Recipe, plan
+from .moves import by_block, fill_idle, split_filled
+from .search import Move
 
 DEFAULT_CHUNKS = 2
 
@@ -81,9 +79,5 @@ def generate(spec: ScheduleSpec) -> Schedule:
     options=("breadth_first_microbatches", "chunks"),
 )
 def generate_zb(spec: ScheduleSpec) -> Schedule:
-    plain = _schedule("breadth-first-zb", spec)
-    split = replace(plain, orders=split_backward(plain.orders))
     fill = Move(lambda result: fill_idle(result, spec.cost_model(), trailing=by_block), always=True)
-    return plan(
-        Recipe("breadth-first-zb", spec, split.placements, None, seeds=(lambda: [split],), moves=(fill,), refine=False)
-    )
+    return split_filled("breadth-first-zb", spec, _schedule("breadth-first-zb", spec), fill)

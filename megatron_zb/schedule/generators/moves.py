@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from ..actions import spec
 from ..costs import CostModel
-from ..ir import Pass, PassKind
+from ..ir import Pass, PassKind, Schedule
+from ..registry import ScheduleSpec
 from ..timing import COMPUTE, DEFERRABLE, EPS, run
 from .result import Result, model_of, timed_codes
+from .search import Move, Recipe, plan
 
 Orders = Sequence[Sequence[Pass]]
 # a kind playing several roles -> the kinds playing one each, in the order of its roles (BW -> B, W)
@@ -34,6 +37,13 @@ def split_backward(orders: Orders) -> tuple[tuple[Pass, ...], ...]:
         tuple(Pass(part, p.stage, p.microbatch, p.pipe) for p in order for part in SPLIT.get(p.kind, (p.kind,)))
         for order in orders
     )
+
+
+def split_filled(name: str, setting: ScheduleSpec, plain: Schedule, fill: Move) -> Schedule:
+    """``plain`` with its fused passes split (each W right after its B), then moved by ``fill``."""
+    split = replace(plain, orders=split_backward(plain.orders))
+    seeds, shared = (lambda: [split],), plain.shared
+    return plan(Recipe(name, setting, split.placements, None, seeds=seeds, moves=(fill,), shared=shared, refine=False))
 
 
 def defer(orders: Orders) -> tuple[tuple[Pass, ...], ...]:
