@@ -6,12 +6,12 @@ import pytest
 from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.generators.extend import extended
 from megatron_zb.schedule.generators.polish import polish
-from megatron_zb.schedule.generators.result import Result, timed, timed_codes
+from megatron_zb.schedule.generators.result import Result, encoding_of, timed, timed_codes
 from megatron_zb.schedule.generators.torch_style import dualpipev_orders
 from megatron_zb.schedule.generators.v_auto import dualpipev_peak
 from megatron_zb.schedule.generators.v_blocks import all_blocks, plain_peak
 from megatron_zb.schedule.generators.v_family import block_orders
-from megatron_zb.schedule.generators.v_reorder import reordered_orders
+from megatron_zb.schedule.generators.v_reorder import reordered_variants
 from megatron_zb.schedule.generators.v_squeeze import squeezed_orders
 from megatron_zb.schedule.ir import Schedule, ScheduleError, parse_orders
 from megatron_zb.schedule.placement import linear, v_shape
@@ -35,6 +35,12 @@ def profile(p: int, name: str) -> CostModel:
     scale = [1.5 if name in HEAVY_ENDS and s in (0, p - 1) else 1.0 for s in range(p)]
     t_f, t_b, t_w = ([t * x for x in scale] for t in (t_f, t_b, t_w))
     return CostModel(p, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=comm, mem_f=1, mem_b=-0.55, mem_w=-0.45)
+
+
+def reordered_orders(p: int, m: int, block, fill: bool):
+    """The block reordered (with its gaps filled or not) as orders of passes; None where it is given up."""
+    codes = reordered_variants(p, m, list(block), (fill,))[0]
+    return None if codes is None else [list(map(encoding_of((v_shape(p),), m).decode, row)) for row in codes]
 
 
 def uneven_memory(p: int) -> CostModel:
@@ -97,7 +103,7 @@ def test_reordered_blocks_are_valid_orders(p):
     for m in (1, p, 2 * p + 1):
         for block in sampled_blocks(p):
             for fill in (False, True):
-                orders = reordered_orders(p, m, list(block), fill)
+                orders = reordered_orders(p, m, block, fill)
                 if orders is not None:
                     assert validate(as_schedule(orders, p, m), costs) == []
 
@@ -109,7 +115,7 @@ def test_a_stretched_steady_state_is_as_short_as_planning_all_microbatches(p):
     costs, fewer, more = profile(p, "A"), 3 * p, 3 * p + 1
     stretched = planned = 0
     for block in sampled_blocks(p):
-        plans = [lambda n, b=block: reordered_orders(p, n, list(b), False)]
+        plans = [lambda n, b=block: reordered_orders(p, n, b, False)]
         plans.append(lambda n, b=block: squeezed_orders(p, n, lambda _, r: b[r]))
         for plan in plans:
             small, full = plan(fewer), plan(fewer + more)

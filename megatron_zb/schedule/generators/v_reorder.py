@@ -22,27 +22,17 @@ two passes in one slot is given up (None); v-auto keeps the squeezed block for i
 
 from __future__ import annotations
 
-from ..ir import Pass
-from ..placement import v_shape
-from .result import encoding_of
 from .v_blocks import B0, B1, F0, F1, RISE, W0, W1, item_codes, pack, producer, repeated
 
 Item = tuple[int, int]  # (type, microbatch)
 Orders = list[list[Item]]
 
 
-def reordered_orders(
-    p: int, m: int, offsets: list[tuple[int, int, int, int]], fill: bool = False
-) -> list[list[Pass]] | None:
-    """Per-rank orders of the block ``offsets`` (microbatch 0's slots of F0, F1, B1, B0 per rank)."""
-    codes = reordered_variants(p, m, offsets, (fill,))[0]
-    return None if codes is None else [list(map(encoding_of((v_shape(p),), m).decode, row)) for row in codes]
-
-
 def reordered_variants(
     p: int, m: int, offsets: list[tuple[int, int, int, int]], fills: tuple[bool, ...] = (False, True)
 ) -> list[list[list[int]] | None]:
-    """``reordered_orders`` as codes (``timing.Encoding`` of the V) for each of ``fills``; steps 1-4 run once."""
+    """Per-rank orders of the block ``offsets`` (microbatch 0's slots of F0, F1, B1, B0 per rank) as codes
+    (``timing.Encoding`` of the V), for each of ``fills`` (whether its gaps are filled); steps 1-4 run once."""
     done = _steps(p, m, offsets)
     if done is None:
         return [None] * len(fills)
