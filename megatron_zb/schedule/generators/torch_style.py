@@ -24,48 +24,40 @@ from __future__ import annotations
 
 from ..ir import BW, B, F, Pass, W
 from .interleaved import looped
+from .v_blocks import B0, B1, F0, F1, W0, W1, item_passes
 
 
 def zbv_orders(p: int, m: int) -> list[list[Pass]]:
-    return [_zbv_rank(p, m, r) for r in range(p)]
-
-
-def _zbv_rank(p: int, m: int, r: int) -> list[Pass]:
     total = max(2 * p - 1, m)
-    early, late = r, 2 * p - 1 - r
-    count = {"f0": 0, "f1": 0, "b0": 0, "b1": 0, "w0": 0, "w1": 0}
-    order: list[Pass] = []
+    orders = item_passes(p, total, [_zbv_rank(p, total, r) for r in range(p)])
+    return [[x for x in order if x.microbatch < m] for order in orders]
 
-    def run(name: str) -> None:
-        block = early if name.endswith("0") else late
-        make = {"f": F, "b": B, "w": W}[name[0]]
-        order.append(make(block, count[name]))
-        count[name] += 1
 
-    for _ in range(2 * (p - r) - 1):
-        run("f0")
+def _zbv_rank(p: int, total: int, r: int) -> list[tuple[int, int]]:
+    """Rank r's order for ``total`` microbatches as slot-model items (F0 the early chunk's F, W1 the late one's W)."""
+    count = [0] * 6
+    order: list[tuple[int, int]] = []
+
+    def run(*types: int) -> None:
+        for t in types:
+            order.append((t, count[t]))
+            count[t] += 1
+
+    run(*[F0] * (2 * (p - r) - 1))
     for _ in range(r):
-        run("f1")
-        run("f0")
+        run(F1, F0)
     for _ in range(p - r):
-        for name in ("f1", "b1", "w1"):
-            run(name)
-    while count["f1"] < count["f0"] or count["f0"] < total:
-        if count["f0"] < total:
-            run("f0")
-        for name in ("b0", "w0", "f1", "b1", "w1"):
-            run(name)
+        run(F1, B1, W1)
+    while count[F1] < count[F0] or count[F0] < total:
+        if count[F0] < total:
+            run(F0)
+        run(B0, W0, F1, B1, W1)
     for _ in range(r):
-        run("b0")
-        run("b1")
+        run(B0, B1)
     for _ in range(p - r):
-        run("b0")
-        run("w0")
-    while count["w1"] < count["b1"]:
-        run("w1")
-    while count["w0"] < count["b0"]:
-        run("w0")
-    return [x for x in order if x.microbatch < m]
+        run(B0, W0)
+    run(*[W1] * (count[B1] - count[W1]), *[W0] * (count[B0] - count[W0]))
+    return order
 
 
 def dualpipev_orders(p: int, m: int) -> list[list[Pass]]:
