@@ -26,20 +26,13 @@ def group_sizes(microbatches: int, pp: int) -> list[int]:
     return [size + 1] * larger + [size] * (groups - larger)
 
 
-def chunk_order(microbatches: int, chunks: int, groups: list[int]) -> list[tuple[int, int]]:
-    """(chunk, microbatch) in the order a rank runs its forwards, group by group."""
-    order, first = [], 0
-    for size in groups:
-        members = range(first, first + size)
-        order += [(chunk, mb) for chunk in range(chunks) for mb in members]
-        first += size
-    return order
-
-
 def looped(p: int, m: int, v: int) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
-    """The groups, and the (chunk, microbatch) order of a rank's forwards and of its backwards (chunks reversed)."""
-    groups = group_sizes(m, p)
-    forwards = chunk_order(m, v, groups)
+    """The groups, and the (chunk, microbatch) order of a rank's forwards (group by group) and of its
+    backwards (chunks reversed)."""
+    groups, forwards, first = group_sizes(m, p), [], 0
+    for size in groups:
+        forwards += [(chunk, mb) for chunk in range(v) for mb in range(first, first + size)]
+        first += size
     return groups, forwards, [(v - 1 - chunk, mb) for chunk, mb in forwards]
 
 
