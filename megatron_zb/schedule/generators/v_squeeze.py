@@ -71,7 +71,9 @@ def _inputs(p: int, r: int, t: int, k: int) -> list[tuple[int, int, int]]:
     source = producer(p, r, t)
     if source is not None:
         found.append((*source, k))
-    return found + [(r, t, k - 1)] if k else found
+    if k:
+        found.append((r, t, k - 1))
+    return found
 
 
 def _items(ranks: list[list[int]]) -> list[tuple[int, int, int]]:
