@@ -25,7 +25,7 @@ from megatron_zb.training.arguments import parse
 TOLERANCE = 1e-5
 PP4 = "--pipeline-model-parallel-size 4 --global-batch-size 16"
 SCHEDULES = ("1f1b", "zb-2p", "zb-v")
-ITERATIONS, HALF = 6, 3
+ITERATIONS, HALF = 4, 2
 MODEL = (
     "--cpu --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 64 --mock-data "
     f"--micro-batch-size 2 --train-iters {ITERATIONS} --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine "

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from megatron_zb.testing.stall import draw_stall
 
 TIMEOUT_S = 4.0
-EXAMPLES = int(os.environ.get("MZB_STALL_EXAMPLES", "4"))
+EXAMPLES = int(os.environ.get("MZB_STALL_EXAMPLES", "2"))
 NAMED = re.compile(r"megatron-zb train: timeout: ranks? (\d+)[ ,]")
 
 
