@@ -121,17 +121,16 @@ def runnable(name: str) -> bool:
 SCHEDULES = [name for name in names() if runnable(name)]
 
 
-# With overlap the schedule decides when each chunk's reduction starts (after its last W): every
-# schedule runs DDP with overlap. Megatron-LM's grad_sync_func is called from the same place whatever
-# the order, the distributed optimizer's reduce-scatter starts from the same hooks, and without
-# overlap finalize_model_grads reduces after the schedule: one schedule of each shape runs those variants.
+# With overlap the schedule decides when each chunk's reduction starts: right after its last W, where
+# the lowering puts its REDUCE_GRAD (every schedule: tests/schedule/test_actions.py), and the runtime
+# runs that action whatever the schedule. So one schedule of each shape runs DDP with overlap, plain
+# and through Megatron-LM's grad_sync_func, and the distributed optimizer's overlapped reduce-scatter
+# (it starts from the same hooks). Without overlap finalize_model_grads reduces after the schedule,
+# whatever the order: one schedule runs those.
 ONE_PER_SHAPE = one_per_shape(SCHEDULES, pp=2, microbatches=M)
-DDP_CASES = [(name, "ddp-overlap") for name in SCHEDULES] + [
-    (name, variant)
-    for name in ONE_PER_SHAPE
-    for variant in [WITH_GRAD_SYNC_FUNC, *sorted(DDP_VARIANTS)]
-    if variant != "ddp-overlap"
-]
+DDP_CASES = [
+    (name, variant) for name in ONE_PER_SHAPE for variant in ("ddp-overlap", WITH_GRAD_SYNC_FUNC, "distopt-overlap")
+] + [("zb-v", variant) for variant in ("ddp", "distopt")]
 
 
 # Tensor parallelism lives inside each pass (the collectives of B, the local weight gradients of
