@@ -42,11 +42,16 @@ Offsets = tuple[tuple[int, int, int, int], ...]  # per rank: absolute slots of F
 def block_offsets(p: int, pattern: tuple[int, int, int], d_first: int, d_rest: int, first_ranks: int) -> Offsets | None:
     """Microbatch 0's slots of a block, or None if two passes of a rank share a residue."""
     hops = min(first_ranks, p - 1)
-    residues = _residues((0, *pattern), d_first, hops)
-    rest = _residues(residues[-1], d_rest, p - 1 - hops)
-    if len(residues) <= hops or len(rest) < p - hops:
+    return _joined(_residues((0, *pattern), d_first, hops), hops, d_rest, p)
+
+
+def _joined(first: list[tuple[int, int, int, int]], hops: int, d_rest: int, p: int) -> Offsets | None:
+    """The block whose first ``hops`` hops have ``first``'s residues and the others d_rest's; None if
+    two passes of a rank share a residue."""
+    if len(first) <= hops:
         return None
-    return _walk(residues + rest[1:])
+    rest = _residues(first[hops], d_rest, p - 1 - hops)
+    return None if len(rest) < p - hops else _walk(first[: hops + 1] + rest[1:])
 
 
 def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple[int, int, int, int]]:
@@ -142,11 +147,11 @@ def all_blocks(p: int) -> dict[Offsets, tuple[bool, int, int]]:
     found: dict[Offsets, tuple[bool, int, int]] = {}
     for pattern in permutations(range(1, PERIOD), 3):
         for d_first in range(1, PERIOD):
-            first = len(_residues((0, *pattern), d_first, p - 1)) - 1  # hops before two passes collide
+            first = _residues((0, *pattern), d_first, p - 1)  # up to the first rank where two collide
             for d_rest in range(1, d_first + 1):
                 # d_rest = d_first: every first_ranks gives the same block
-                for hops in range(1, min(first, p - 1 if d_rest < d_first else 1) + 1) if p > 1 else (0,):
-                    offsets = block_offsets(p, pattern, d_first, d_rest, hops)
+                for hops in range(1, min(len(first) - 1, p - 1 if d_rest < d_first else 1) + 1) if p > 1 else (0,):
+                    offsets = _joined(first, hops, d_rest, p)
                     if offsets is None or offsets in found:
                         continue
                     tight = min(d_first, d_rest if hops < p - 1 else d_first) < 2
