@@ -13,7 +13,7 @@ import pytest
 from megatron_zb.testing.pool import WorkerPool
 
 SIZES = [(1, 4), (2, 2), (1, 2), (4, 1)]  # (tensor, pipeline) parallel sizes, cycled
-CYCLES = 3
+CYCLES = 2
 
 
 @pytest.fixture(scope="module")
