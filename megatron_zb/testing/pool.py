@@ -52,7 +52,12 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], threads: int
     from megatron_zb import cpu
 
     cpu.enable()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException as error:  # e.g. the port was taken between _free_port and rank 0's bind
+        outbox.put((rank, False, f"{type(error).__name__}: {error}", 0))
+        return
+    outbox.put((rank, True, "ready", 0))
     while True:
         job = inbox.get()
         if job is None:
@@ -76,7 +81,39 @@ class WorkerPool:
         self.world_size, self.threads, self.timeout_s = world_size, threads, timeout_s
         self._procs: list = []
 
-    def _start(self) -> None:
+    def _start(self, attempts: int = 3) -> None:
+        """Start the ranks and wait until each has joined the group; a start that fails (the free port
+        was taken before rank 0 bound it: another process may pick it in between) is retried on a new port."""
+        for attempt in range(1, attempts + 1):
+            self._spawn()
+            try:
+                self._wait_until_ready()
+                return
+            except WorkerError as error:
+                self.close()
+                if attempt == attempts:
+                    raise WorkerError(f"the pool of {self.world_size} ranks did not start: {error}") from error
+
+    def _wait_until_ready(self) -> None:
+        import queue
+        import time
+
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.timeout_s
+        while len(ready) < self.world_size:
+            try:
+                rank, ok, value, _ = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [rank for rank, proc in enumerate(self._procs) if rank not in ready and not proc.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    waiting = dead or sorted(set(range(self.world_size)) - ready)
+                    raise WorkerError(f"ranks {waiting} did not start") from None
+                continue
+            if not ok:
+                raise WorkerError(f"rank {rank} could not join the process group: {value}")
+            ready.add(rank)
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._outbox = ctx.Queue()
