@@ -9,6 +9,10 @@ assume a GPU in a few more places, each shimmed here to what a CPU process would
   seeds the CPU generator and keeps megatron_zb.cpu's no-op RNG tracker (no CUDA generators).
 - ``get_model`` builds DDP inside a side CUDA stream: streams and events are inert here.
 - the fused softmax kernels are compiled with nvcc at start-up: the unfused path needs none.
+- ``set_jit_fusion_options`` warms up the fused bias-GeLU/SwiGLU and bias-dropout-add by calling
+  them, which on torch >= 2.2 compiles them with inductor: about 15 s of C++ compiling per process
+  on CPU, before every run, for kernels a CPU line turns off (verify adds ``--no-bias-*-fusion``).
+  The warm-up is skipped; a fusion a run does call still compiles at its first call.
 - the dataset index helpers are compiled with whatever ``python3`` is on PATH: built with this
   interpreter and its pybind11 instead (when the checkout's megatron.core has none built).
 - checkpoints save and restore the CUDA RNG state: an empty state, restored as a no-op.
@@ -165,6 +169,8 @@ def _megatron_lm() -> None:
         original = getattr(module, "initialize_megatron", None)
         if original is not None and not getattr(original, "megatron_zb_cpu", False):
             patching.replace(module, "initialize_megatron", _without_cuda(original), _SCOPE)
+    if hasattr(initialize, "_warmup_jit_function"):
+        patching.replace(initialize, "_warmup_jit_function", _no_warmup, _SCOPE)
     no_gpu_architecture()
     with contextlib.suppress(ImportError):
         from megatron.legacy import fused_kernels
@@ -195,6 +201,10 @@ def no_gpu_architecture() -> None:
 
 def _architecture_0() -> int:
     return 0
+
+
+def _no_warmup(*args, **kwargs) -> None:
+    """Megatron-LM's ``_warmup_jit_function`` on CPU: nothing to warm (see the module's docstring)."""
 
 
 def _without_cuda(initialize_megatron):

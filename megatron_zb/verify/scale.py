@@ -228,7 +228,11 @@ def scale(
     _zero_bubble(scaler, pp, limits)
     line, kept = scaler.result()
     argv = [token for given in line for token in given.tokens]
-    reference = [token for given in line if not _selects_schedule(given) for token in given.tokens]
+    # megatron-core's run saves no checkpoint: the zb run's save checks the path (a torch_dist save
+    # starts a spawned helper process, about 10 s on CPU)
+    reference = [
+        token for given in line if not _selects_schedule(given) and given.dest not in _SAVES for token in given.tokens
+    ]
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return ScaledLine(
         argv=argv,
@@ -429,7 +433,8 @@ def _checkpoints(scaler: Scaler, limits: Limits) -> None:
         scaler.set(
             "--save",
             [str(limits.folder / "checkpoints")],
-            "saved once, at the end, in verify's temporary folder (checks the save path, never writes into yours)",
+            "saved once, at the end, in verify's temporary folder (checks the save path, never writes into yours); "
+            "megatron-core's run saves nothing",
         )
         scaler.set("--save-interval", [str(limits.iterations)], "saves once, at the end")
     else:
@@ -482,6 +487,9 @@ def _zero_bubble(scaler: Scaler, pp: int, limits: Limits) -> None:
     if getattr(args, "zero_bubble_save_costs", None):
         scaler.set("--zero-bubble-save-costs", [str(limits.folder / "costs.json")], "verify writes only in its folder")
     scaler.set(SAME_INIT, None, "both runs draw every weight from the seed and its name, whatever the placement")
+
+
+_SAVES = frozenset({"save", "save_interval"})
 
 
 def _selects_schedule(given: Given) -> bool:

@@ -84,6 +84,7 @@ def test_llama_example_scales_with_every_flag_accounted_for(tmp_path: Path, vers
     for gone in ("--fp8-format", "--load", "--tensorboard-dir", "--profile", "--exit-duration-in-mins"):
         assert values(argv, gone) is None, f"{gone} must not reach the scaled copy"
     assert values(argv, "--save")[0].startswith(str(tmp_path))
+    assert values(line.reference_argv, "--save") is None and values(line.reference_argv, "--save-interval") is None
     assert values(argv, "--transformer-impl") == ["local"]
     assert zero_bubble in argv and zero_bubble not in line.reference_argv
     assert scale.SAME_INIT in argv and scale.SAME_INIT in line.reference_argv
