@@ -21,6 +21,7 @@ from datetime import timedelta
 
 log = logging.getLogger("megatron_zb.train")
 STARTUP_TIMEOUT = timedelta(minutes=5)  # for every rank to import and connect, whatever the group timeout
+RANK_IMPORTS = ("megatron_zb.training.rank_imports",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,22 +60,40 @@ def _spawn_cpu(args: argparse.Namespace, worker: Callable | None = None) -> int:
     ``worker`` replaces ``_cpu_worker`` (same arguments), for tests that inject faults.
     """
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     from .training.supervise import caught_signals, failure_of, supervise
 
     # The rendezvous store lives here for the whole run: its port cannot be taken meanwhile.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with caught_signals() as received:  # from here on SIGINT/SIGTERM end the ranks, never orphan them
-        context = mp.start_processes(
-            worker or _cpu_worker, args=(args, store.port, list(sys.path)), nprocs=args.world_size, join=False
-        )
+        context = start_ranks(worker or _cpu_worker, (args, store.port, list(sys.path)), args.world_size)
         failure = lambda rank: failure_of(context, rank)  # noqa: E731
         timeout_s = distributed_timeout(args).total_seconds()
         return supervise(context.processes, store, failure, received, timeout_s=timeout_s)
 
 
-def _cpu_worker(rank: int, args: argparse.Namespace, port: int, path: list[str]) -> None:
+def start_ranks(worker: Callable, args: tuple, processes: int, modules: Sequence[str] = RANK_IMPORTS):
+    """``processes`` forks of a server that imported ``modules`` once (training/rank_imports.py), each running
+    ``worker(rank, environment, *args)``: a torch ``ProcessContext``. ``environment`` is this process's
+    ``os.environ`` now (a fork server keeps the one it started with); ``with_environment`` applies it."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+    return mp.start_processes(
+        worker, args=(dict(os.environ), *args), nprocs=processes, join=False, start_method="forkserver"
+    )
+
+
+def with_environment(environment: dict[str, str]) -> None:
+    """A rank's environment as its launcher's was when it started the rank (see ``start_ranks``)."""
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def _cpu_worker(rank: int, environment: dict[str, str], args: argparse.Namespace, port: int, path: list[str]) -> None:
+    with_environment(environment)
     sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size))
     import warnings

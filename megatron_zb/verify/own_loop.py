@@ -137,20 +137,26 @@ def _spawn(reference: argparse.Namespace, theirs: argparse.Namespace, folder: Pa
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    from ..pretrain_gpt import start_ranks
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        mp.spawn(
-            _worker,
-            args=(reference, theirs, store.port, list(sys.path), str(folder), inject),
-            nprocs=theirs.world_size,
-            join=True,
+        context = start_ranks(
+            _worker, (reference, theirs, store.port, list(sys.path), str(folder), inject), theirs.world_size
         )
+        while not context.join():
+            pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         return str(error)
     return None
 
 
-def _worker(rank: int, reference, theirs, port: int, path: list[str], folder: str, inject: int | None) -> None:
+def _worker(
+    rank: int, environment: dict, reference, theirs, port: int, path: list[str], folder: str, inject: int | None
+) -> None:
+    from ..pretrain_gpt import with_environment
+
+    with_environment(environment)
     sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(theirs.world_size))
     import warnings
