@@ -324,24 +324,39 @@ def spawn_cpu(
     is named as for megatron-zb's own loop (``training.supervise``).
     """
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
+    from .pretrain_gpt import start_ranks
     from .training.supervise import caught_signals, failure_of, supervise
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    copies = _megatron_copies()
     with caught_signals() as received:
-        context = mp.start_processes(
-            _cpu_worker,
-            args=(processes, store.port, threads, list(argv), metrics_file, list(sys.path), timeout_s),
-            nprocs=processes,
-            join=False,
-        )
+        arguments = (processes, store.port, threads, list(argv), metrics_file, list(sys.path), timeout_s, copies)
+        context = start_ranks(_cpu_worker, arguments, processes, ("megatron_zb.megatron_lm_rank_imports",))
         failure = lambda rank: failure_of(context, rank)  # noqa: E731
         return supervise(context.processes, store, failure, received, timeout_s=timeout_s)
 
 
+def _megatron_copies() -> dict[str, str]:
+    """Where this process's megatron.core and megatron.training come from (the ranks must use the same)."""
+    return {name: getattr(sys.modules.get(name), "__file__", None) for name in ("megatron.core", "megatron.training")}
+
+
+def _same_megatron(copies: dict[str, str]) -> None:
+    """Refuse a rank whose fork server imported another megatron than its launcher (a server outlives a run:
+    a second run from one process, with another checkout first on ``sys.path``, would mix the two)."""
+    for name, launcher in copies.items():
+        module = sys.modules.get(name)
+        if launcher is not None and module is not None and module.__file__ != launcher:
+            raise RuntimeError(
+                f"this rank's fork server imported {name} from {module.__file__}, its launcher uses {launcher}: "
+                "run each Megatron-LM checkout from its own process"
+            )
+
+
 def _cpu_worker(
     rank: int,
+    environment: dict[str, str],
     world: int,
     port: int,
     threads: int,
@@ -349,8 +364,13 @@ def _cpu_worker(
     metrics_file: str | None,
     path: list[str],
     timeout_s: float,
+    copies: dict[str, str],
 ) -> None:
+    from .pretrain_gpt import with_environment
+
+    with_environment(environment)
     sys.path[:] = path
+    _same_megatron(copies)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )

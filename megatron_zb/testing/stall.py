@@ -39,7 +39,7 @@ def stalling_worker(rank: int, environment: dict, args: argparse.Namespace, port
 
 def stalling_megatron_lm_worker(fault: dict, rank: int, *args) -> None:
     """``megatron_lm._cpu_worker``'s arguments after ``fault``; the fault installed on its rank first."""
-    sys.path[:] = args[5]  # the parent's path, as the worker sets it
+    sys.path[:] = args[6]  # the parent's path, as the worker sets it (after the environment, world, ...)
     from ..megatron_lm import _cpu_worker
 
     if fault["rank"] == rank:
