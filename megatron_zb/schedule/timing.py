@@ -218,3 +218,53 @@ def run(model: Model, orders: Sequence[Sequence[int]]) -> Clock | None:
     if any(i < len(order) for i, order in zip(at, orders, strict=True)):
         return None
     return clock
+
+
+def spans(
+    model: Model, orders: Sequence[Sequence[int]], start: list[float] | None = None
+) -> tuple[float, float] | None:
+    """``run(model, orders).spans()`` without the clock: the same sweep and sums, recording only each
+    rank's first start and last end (and each pass's start into ``start``, by code, when given).
+    Ranking candidates needs no more, and it runs twice as fast; None if the orders deadlock."""
+    m, comm, passes, end = model.encoding.microbatches, model.comm, model.passes, [-1.0] * model.roles
+    free, first, at = [0.0] * len(orders), [-1.0] * len(orders), [0] * len(orders)
+    moved, sweep = True, list(range(len(orders)))
+    while moved:
+        moved = False
+        for r in sweep:
+            order, i, t = orders[r], at[r], free[r]
+            n = len(order)
+            while i < n:
+                code = order[i]
+                index, k = divmod(code, m)
+                _, needed, writes, time, _ = passes[index]
+                ready = t
+                for row, cross in needed:
+                    done = end[row + k]
+                    if done < 0:
+                        break
+                    if cross:
+                        done += comm
+                    if done > ready:
+                        ready = done
+                else:
+                    if first[r] < 0:
+                        first[r] = ready
+                    if start is not None:
+                        start[code] = ready
+                    t = ready + time
+                    for row in writes:
+                        end[row + k] = t
+                    i += 1
+                    continue
+                break
+            if i > at[r]:
+                at[r], free[r], moved = i, t, True
+        sweep.reverse()
+    if any(i < len(order) for i, order in zip(at, orders, strict=True)):
+        return None
+    busy = [r for r, order in enumerate(orders) if order]
+    return (
+        max((free[r] - first[r] for r in busy), default=0.0),
+        max(free) - min((first[r] for r in busy), default=0.0),
+    )

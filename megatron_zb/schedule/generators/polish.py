@@ -22,21 +22,21 @@ from collections.abc import Iterator
 
 from ..costs import CostModel
 from ..placement import Placement
-from ..timing import EPS, Clock, Model, run
+from ..timing import EPS, Clock, Model, run, spans
 from .budget import BUDGET
 from .result import Result, model_of
 
 
-def _score(clock: Clock) -> tuple[float, float]:
-    span, makespan = clock.spans()
+def _score(timed: tuple[float, float]) -> tuple[float, float]:
+    span, makespan = timed
     return round(span, 9), round(makespan, 9)
 
 
 def _critical_runs(model: Model, orders: list[list[int]], clock: Clock) -> list[tuple[int, int, int]]:
     """The critical path of the longest rank as runs (rank, first position, last position), earliest first."""
     m = model.encoding.microbatches
-    spans = [clock.free[r] - clock.first[r] if order else -1.0 for r, order in enumerate(orders)]
-    r = max(range(len(orders)), key=lambda q: spans[q])
+    lengths = [clock.free[r] - clock.first[r] if order else -1.0 for r, order in enumerate(orders)]
+    r = max(range(len(orders)), key=lambda q: lengths[q])
     made_by = {
         row + x % m: (q, i)
         for q, order in enumerate(orders)
@@ -96,7 +96,7 @@ def polish(result: Result, placement: Placement, costs: CostModel, limit: float 
     clock = run(model, orders)
     if clock is None:
         return result
-    best = _score(clock)
+    best = _score(clock.spans())
     improved = True
     while improved and tries > 0:
         improved = False
@@ -110,13 +110,13 @@ def polish(result: Result, placement: Placement, costs: CostModel, limit: float 
             order.insert(dst, order.pop(src))
             if model.peak(order) <= cap:
                 tries -= 1
-                trial = run(model, orders)
+                trial = spans(model, orders)  # most tries fail: the clock is made for the one kept
                 if trial is not None and _score(trial) < best:
-                    best, clock, improved = _score(trial), trial, True
+                    best, clock, improved = _score(trial), run(model, orders), True
                     break
             order.insert(src, order.pop(dst))
             if tries <= 0:
                 break
-    if best >= _score(run(model, result.codes)):
+    if best >= _score(spans(model, result.codes)):
         return result
     return Result(orders, result.encoding, best[0], best[1], max(map(model.peak, orders)))

@@ -13,7 +13,7 @@ from functools import lru_cache
 from ..costs import CostModel
 from ..ir import Pass, Schedule
 from ..placement import Placement
-from ..timing import EPS, Clock, Encoding, Model, run
+from ..timing import EPS, Clock, Encoding, Model, spans
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,12 @@ def _placements(placement: Placements) -> tuple[Placement, ...]:
 
 def timed_codes(codes: Sequence[Sequence[int]], placement: Placements, costs: CostModel, m: int) -> Result | None:
     """Stage span, makespan and peak memory of encoded orders; None if they deadlock."""
-    clock = run(model_of(_placements(placement), m, costs), codes)
-    return None if clock is None else Result.of_clock(clock)
+    model = model_of(_placements(placement), m, costs)
+    timed = spans(model, codes)
+    if timed is None:
+        return None
+    orders = [list(order) for order in codes]
+    return Result(orders, model.encoding, *timed, max((model.peak(order) for order in orders), default=0.0))
 
 
 def timed(orders: Sequence[Sequence[Pass]], placement: Placements, costs: CostModel, m: int) -> Result | None:

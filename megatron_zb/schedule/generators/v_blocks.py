@@ -29,7 +29,7 @@ from itertools import permutations
 from ..costs import CostModel
 from ..ir import Pass, PassKind
 from ..placement import v_shape
-from ..timing import run
+from ..timing import spans
 from .result import encoding_of, model_of
 
 PERIOD = 6
@@ -239,10 +239,13 @@ def pack(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[li
     The timing model with every pass one slot long and no latency.
     """
     codes = item_codes(p, m, orders)
-    clock = None if codes is None else run(model_of((v_shape(p),), m, _one_slot(p)), codes)
-    if clock is None:
+    if codes is None:
         return None
-    return [list(map(int, map(clock.start.__getitem__, row))) for row in codes]
+    model = model_of((v_shape(p),), m, _one_slot(p))
+    start = [0.0] * model.encoding.size
+    if spans(model, codes, start) is None:
+        return None
+    return [list(map(int, map(start.__getitem__, row))) for row in codes]
 
 
 def item_codes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]] | None:

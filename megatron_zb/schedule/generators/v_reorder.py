@@ -199,7 +199,7 @@ def _fill_gaps(orders: Orders, slots: list[list[int]], p: int, m: int, peak: int
 
 def _fill_one(cells: list[Item | None], where: list, r: int, j: int, p: int, room: int, last: int) -> None:
     """Move into empty slot j of rank r the first pass of a type that may go there (see ``_fill_gaps``)."""
-    tried: set[int] = set()
+    tried = 0  # a bit per type
     rise = top = 0
     for s in range(j + 1, last + 1):
         item = cells[s]
@@ -208,16 +208,17 @@ def _fill_one(cells: list[Item | None], where: list, r: int, j: int, p: int, roo
         t, k = item
         below = top  # the highest level between j and s, relative to the level at j
         rise += RISE[t]
-        top = max(top, rise)
-        if t in tried:
+        if rise > top:
+            top = rise
+        if tried >> t & 1:
             continue
-        tried.add(t)
+        tried |= 1 << t
         needs = producer(p, r, t)
         if (RISE[t] <= 0 or below < room) and (needs is None or where[needs[0]][needs[1]][k] < j):
             cells[j], cells[s] = item, None
             where[r][t][k] = j
             return
-        if len(tried) == 6:
+        if tried == 0b111111:
             return
 
 
