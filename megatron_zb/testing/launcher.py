@@ -26,3 +26,14 @@ def pool_losses(pool: WorkerPool, args: argparse.Namespace) -> dict[int, float]:
     found = [losses for losses in pool.run(rank_losses, args=args) if losses]
     assert found and all(losses == found[0] for losses in found), "the logging ranks disagree on the losses"
     return found[0]
+
+
+def environment_probe(rank: int, environment: dict[str, str], folder: str, name: str) -> None:
+    """A ``pretrain_gpt.start_ranks`` worker that writes what ``name`` reads in its environment to folder/rank."""
+    import os
+    from pathlib import Path
+
+    from megatron_zb.pretrain_gpt import with_environment
+
+    with_environment(environment)
+    Path(folder, str(rank)).write_text(os.environ.get(name, "(unset)"))
