@@ -356,7 +356,7 @@ def _same_megatron(copies: dict[str, str]) -> None:
 
 def _cpu_worker(
     rank: int,
-    environment: dict[str, str],
+    launcher,
     world: int,
     port: int,
     threads: int,
@@ -366,9 +366,7 @@ def _cpu_worker(
     timeout_s: float,
     copies: dict[str, str],
 ) -> None:
-    from .pretrain_gpt import with_environment
-
-    with_environment(environment)
+    launcher.apply()  # pretrain_gpt.Launcher: the environment and the log (verify's) of this run
     sys.path[:] = path
     _same_megatron(copies)
     os.environ.update(

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 log = logging.getLogger("megatron_zb.train")
@@ -74,26 +75,58 @@ def _spawn_cpu(args: argparse.Namespace, worker: Callable | None = None) -> int:
 
 def start_ranks(worker: Callable, args: tuple, processes: int, modules: Sequence[str] = RANK_IMPORTS):
     """``processes`` forks of a server that imported ``modules`` once (training/rank_imports.py), each running
-    ``worker(rank, environment, *args)``: a torch ``ProcessContext``. ``environment`` is this process's
-    ``os.environ`` now (a fork server keeps the one it started with); ``with_environment`` applies it."""
+    ``worker(rank, launcher, *args)``: a torch ``ProcessContext``. A fork server keeps the environment and
+    the stdout/stderr it started with; ``launcher`` (``Launcher``) holds this process's as they are now,
+    and the worker applies it first (``Launcher.apply``)."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
     return mp.start_processes(
-        worker, args=(dict(os.environ), *args), nprocs=processes, join=False, start_method="forkserver"
+        worker, args=(Launcher.now(), *args), nprocs=processes, join=False, start_method="forkserver"
     )
 
 
-def with_environment(environment: dict[str, str]) -> None:
-    """A rank's environment as its launcher's was when it started the rank (see ``start_ranks``)."""
-    os.environ.clear()
-    os.environ.update(environment)
+@dataclass(frozen=True)
+class Launcher:
+    """What a rank takes from the process that started it: its environment, and where its stdout and stderr go."""
+
+    environment: dict[str, str]
+    pid: int
+    outputs: tuple[tuple[int, int] | None, ...]  # (device, inode) of file descriptors 1 and 2
+
+    @classmethod
+    def now(cls) -> Launcher:
+        return cls(dict(os.environ), os.getpid(), tuple(_identity(fd) for fd in (1, 2)))
+
+    def apply(self) -> None:
+        """This process's environment, stdout and stderr as the launcher's (e.g. verify's log of a run)."""
+        os.environ.clear()
+        os.environ.update(self.environment)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, launchers in zip((1, 2), self.outputs, strict=True):
+            if launchers is None or _identity(fd) == launchers:
+                continue
+            try:  # the same file, pipe or terminal, reopened through the launcher (Linux /proc)
+                target = os.open(f"/proc/{self.pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+            except OSError:
+                continue  # unreachable (no /proc, a socket): the rank writes where its fork server does
+            os.dup2(target, fd)
+            os.close(target)
 
 
-def _cpu_worker(rank: int, environment: dict[str, str], args: argparse.Namespace, port: int, path: list[str]) -> None:
-    with_environment(environment)
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        found = os.fstat(fd)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def _cpu_worker(rank: int, launcher: Launcher, args: argparse.Namespace, port: int, path: list[str]) -> None:
+    launcher.apply()
     sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world_size))
     import warnings

@@ -28,12 +28,13 @@ def pool_losses(pool: WorkerPool, args: argparse.Namespace) -> dict[int, float]:
     return found[0]
 
 
-def environment_probe(rank: int, environment: dict[str, str], folder: str, name: str) -> None:
-    """A ``pretrain_gpt.start_ranks`` worker that writes what ``name`` reads in its environment to folder/rank."""
+def launcher_probe(rank: int, launcher, folder: str, name: str) -> None:
+    """A ``pretrain_gpt.start_ranks`` worker: writes what ``name`` reads in its environment to folder/rank, and
+    prints it to its stdout."""
     import os
     from pathlib import Path
 
-    from megatron_zb.pretrain_gpt import with_environment
-
-    with_environment(environment)
-    Path(folder, str(rank)).write_text(os.environ.get(name, "(unset)"))
+    launcher.apply()
+    value = os.environ.get(name, "(unset)")
+    Path(folder, str(rank)).write_text(value)
+    print(f"rank {rank}: {value}", flush=True)

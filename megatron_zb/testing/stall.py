@@ -27,14 +27,14 @@ STALL_POINTS = ("grad-norm", "save", "pass", "send", "forward")
 HOW = ("sleep", "sigstop")
 
 
-def stalling_worker(rank: int, environment: dict, args: argparse.Namespace, port: int, path: list[str]) -> None:
+def stalling_worker(rank: int, launcher, args: argparse.Namespace, port: int, path: list[str]) -> None:
     sys.path[:] = path
     from ..pretrain_gpt import _cpu_worker
 
     fault = args.test_stall
     if fault["rank"] == rank:
         _install(fault)
-    _cpu_worker(rank, environment, args, port, path)
+    _cpu_worker(rank, launcher, args, port, path)
 
 
 def stalling_megatron_lm_worker(fault: dict, rank: int, *args) -> None:

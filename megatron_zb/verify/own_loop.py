@@ -152,11 +152,9 @@ def _spawn(reference: argparse.Namespace, theirs: argparse.Namespace, folder: Pa
 
 
 def _worker(
-    rank: int, environment: dict, reference, theirs, port: int, path: list[str], folder: str, inject: int | None
+    rank: int, launcher, reference, theirs, port: int, path: list[str], folder: str, inject: int | None
 ) -> None:
-    from ..pretrain_gpt import with_environment
-
-    with_environment(environment)
+    launcher.apply()  # pretrain_gpt.Launcher
     sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(theirs.world_size))
     import warnings
