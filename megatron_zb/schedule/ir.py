@@ -43,6 +43,7 @@ class PassKind(str, Enum):
 
 
 _COMPUTE = frozenset({PassKind.F, PassKind.B, PassKind.W, PassKind.BW})
+_new = object.__new__
 _PASS_TEXT = re.compile(r"^(BW|F|B|W) s(\d+) mb(\d+)(?: d(\d+))?$")
 _ACTION_TEXT = re.compile(r"^(UNSHARD|RESHARD|REDUCE_GRAD|REPLICA_SYNC) s(\d+)(?: #(\d+))?(?: d(\d+))?$")
 
@@ -74,6 +75,16 @@ class Pass:
             )
         kind, stage, mb, pipe = match.groups()
         return cls(PassKind(kind), int(stage), int(mb or 0), int(pipe or 0))
+
+
+def made_pass(kind: PassKind, stage: int, microbatch: int, pipe: int = 0) -> Pass:
+    """``Pass(kind, stage, microbatch, pipe)`` without the frozen dataclass's ``__init__``, which sets each
+    field through ``object.__setattr__``: half the time, for planners that decode 10^5 passes at once.
+    The same value (equal, hashed and ordered alike)."""
+    made = _new(Pass)
+    fields = made.__dict__
+    fields["kind"], fields["stage"], fields["microbatch"], fields["pipe"] = kind, stage, microbatch, pipe
+    return made
 
 
 def F(stage: int, microbatch: int, pipe: int = 0) -> Pass:

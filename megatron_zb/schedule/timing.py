@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from .actions import spec
 from .costs import CostModel
 from .deps import inputs, roles
-from .ir import Pass, PassKind, ScheduleError
+from .ir import Pass, PassKind, ScheduleError, made_pass
 from .placement import Placement
 
 EPS = 1e-9  # times and memory levels within this are equal
@@ -57,7 +57,7 @@ class Encoding:
     def decode(self, code: int) -> Pass:
         kind_block, microbatch = divmod(code, self.microbatches)
         kind, stage, pipe = self.passes[kind_block]
-        return Pass(kind, stage, microbatch, pipe)
+        return made_pass(kind, stage, microbatch, pipe)
 
 
 class Model:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megatron_zb.schedule.ir import BW, F, Pass, PassKind, Schedule, ScheduleError, parse_orders
+from megatron_zb.schedule.ir import BW, F, Pass, PassKind, Schedule, ScheduleError, made_pass, parse_orders
 from megatron_zb.schedule.placement import interleaved, linear, mirrored, v_shape
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 from megatron_zb.schedule.simulate import simulate
@@ -18,6 +18,14 @@ def test_pass_text_round_trip():
     assert str(Pass(PassKind.B, 2, 5, 1)) == "B s2 mb5 d1"
     with pytest.raises(ValueError, match="cannot parse pass 'X s1 mb1'"):
         Pass.parse("X s1 mb1")
+
+
+def test_a_made_pass_is_the_pass():
+    made, built = made_pass(PassKind.B, 3, 5, 1), Pass(PassKind.B, 3, 5, 1)
+    assert type(made) is Pass and made == built and hash(made) == hash(built) and repr(made) == repr(built)
+    assert made < Pass(PassKind.B, 3, 6, 1) and sorted([Pass(PassKind.B, 3, 6, 1), made])[0] is made
+    with pytest.raises(AttributeError):
+        made.stage = 4  # still frozen
 
 
 @pytest.mark.parametrize("name", names())

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..costs import CostModel
-from ..ir import Pass, ScheduleError
+from ..ir import ScheduleError
 from ..placement import Placement
-from .result import Result, encoding_of, timed, timed_codes
+from .result import Result, timed_codes
 from .search import eval_microbatches
 
 
@@ -62,26 +62,21 @@ def fewer_microbatches(m: int, placement: Placement) -> int:
 
 
 def stretched(
-    plan: Callable[[int], Result | Sequence[Sequence[Pass]]], placement: Placement, costs: CostModel, m: int
+    plan: Callable[[int], Result | Sequence[Sequence[int]]], placement: Placement, costs: CostModel, m: int
 ) -> Result | None:
-    """``plan``'s result for m microbatches (orders of passes are timed; None if they deadlock): planned
+    """``plan``'s result for m microbatches (encoded orders are timed; None if they deadlock): planned
     for fewer and extended on large settings (``fewer_microbatches``), or planned for all where that is
     cheap or the fewer do not stretch (refused, no steady period, or the longer orders deadlock)."""
     fewer = fewer_microbatches(m, placement)
     if fewer < m:
         try:
-            longer = extended(_codes(plan(fewer), placement, fewer), fewer, 3 * placement.chunks, m - fewer)
+            planned = plan(fewer)
+            codes = planned.codes if isinstance(planned, Result) else planned
+            longer = extended(codes, fewer, 3 * placement.chunks, m - fewer)
         except ScheduleError:
             longer = None  # a plan that cannot run fewer may still run all of them
         result = None if longer is None else timed_codes(longer, placement, costs, m)
         if result is not None:
             return result
     full = plan(m)
-    return full if isinstance(full, Result) else timed(full, placement, costs, m)
-
-
-def _codes(planned: Result | Sequence[Sequence[Pass]], placement: Placement, m: int) -> list[list[int]]:
-    if isinstance(planned, Result):
-        return planned.codes
-    encode = encoding_of((placement,), m).encode
-    return [[encode(x) for x in order] for order in planned]
+    return full if isinstance(full, Result) else timed_codes(full, placement, costs, m)

@@ -24,13 +24,19 @@ from __future__ import annotations
 
 from ..ir import BW, B, F, Pass, W
 from .interleaved import looped
-from .v_blocks import B0, B1, F0, F1, W0, W1, item_passes
+from .v_blocks import B0, B1, F0, F1, W0, W1, as_passes, chunk_codes
 
 
 def zbv_orders(p: int, m: int) -> list[list[Pass]]:
+    return as_passes(p, m, zbv_codes(p, m))
+
+
+def zbv_codes(p: int, m: int) -> list[list[int]]:
+    """``zbv_orders`` as codes (``timing.Encoding`` of the V): planned for at least 2pp - 1 microbatches,
+    the others left out."""
     total = max(2 * p - 1, m)
-    orders = item_passes(p, total, [_zbv_rank(p, total, r) for r in range(p)])
-    return [[x for x in order if x.microbatch < m] for order in orders]
+    items = ([(t, k) for t, k in _zbv_rank(p, total, r) if k < m] for r in range(p))
+    return chunk_codes(p, m, list(items))
 
 
 def _zbv_rank(p: int, total: int, r: int) -> list[tuple[int, int]]:

@@ -24,7 +24,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from functools import cache
-from itertools import permutations
+from itertools import accumulate, permutations, starmap
+from operator import add, sub
 
 from ..costs import CostModel
 from ..ir import Pass, PassKind
@@ -42,16 +43,22 @@ Offsets = tuple[tuple[int, int, int, int], ...]  # per rank: absolute slots of F
 def block_offsets(p: int, pattern: tuple[int, int, int], d_first: int, d_rest: int, first_ranks: int) -> Offsets | None:
     """Microbatch 0's slots of a block, or None if two passes of a rank share a residue."""
     hops = min(first_ranks, p - 1)
-    return _joined(_residues((0, *pattern), d_first, hops), hops, d_rest, p)
+    joined = _joined(_residues((0, *pattern), d_first, hops), hops, d_first, d_rest, p)
+    return None if joined is None else joined[0]
 
 
-def _joined(first: list[tuple[int, int, int, int]], hops: int, d_rest: int, p: int) -> Offsets | None:
-    """The block whose first ``hops`` hops have ``first``'s residues and the others d_rest's; None if
-    two passes of a rank share a residue."""
+def _joined(
+    first: list[tuple[int, int, int, int]], hops: int, d_first: int, d_rest: int, p: int
+) -> tuple[Offsets, list[tuple[int, int, int, int]]] | None:
+    """The block whose first ``hops`` hops have ``first``'s residues (shifts of d_first) and the others
+    d_rest's, with every rank's residues; None if two passes of a rank share a residue."""
     if len(first) <= hops:
         return None
     rest = _residues(first[hops], d_rest, p - 1 - hops)
-    return None if len(rest) < p - hops else _walk(first[: hops + 1] + rest[1:])
+    if len(rest) < p - hops:
+        return None
+    residues = first[: hops + 1] + rest[1:]
+    return _walk(residues, [d_first] * hops + [d_rest] * (p - 1 - hops)), residues
 
 
 def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple[int, int, int, int]]:
@@ -68,17 +75,21 @@ def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple
     return (found * (hops // PERIOD + 1))[: hops + 1]
 
 
-def _walk(residues: list[tuple[int, int, int, int]]) -> Offsets:
-    """Microbatch 0's data flow: each pass in the first slot after its input with its residue."""
-    p = len(residues)
-    slots = [[0] * 4 for _ in range(p)]
-    t = -1
-    down, up = range(p), range(p - 1, -1, -1)
-    for kind, ranks in ((F0, down), (F1, up), (B1, down), (B0, up)):
-        for rank in ranks:
-            t += 1 + (residues[rank][kind] - t - 1) % PERIOD
-            slots[rank][kind] = t
-    return tuple(map(tuple, slots))
+def _walk(residues: list[tuple[int, int, int, int]], downs: list[int]) -> Offsets:
+    """Microbatch 0's data flow: each pass in the first slot after its input with its residue. A
+    downward hop of d (F0, B1) moves d slots on, an upward one (F1, B0: residue +1) one slot."""
+    p, last = len(residues), len(residues) - 1
+    ups = [1] * (p - 1)
+    f0 = _chain(-1, residues[0][F0], downs)
+    f1 = _chain(f0[-1], residues[last][F1], ups)[::-1]
+    b1 = _chain(f1[0], residues[0][B1], downs)
+    b0 = _chain(b1[-1], residues[last][B0], ups)[::-1]
+    return tuple(zip(f0, f1, b1, b0, strict=True))
+
+
+def _chain(t: int, residue: int, steps: list[int]) -> list[int]:
+    """Slots of a pass walking the ranks: the first slot after ``t`` with ``residue``, then ``steps`` on."""
+    return list(accumulate(steps, initial=t + 1 + (residue - t - 1) % PERIOD))
 
 
 def w_slots(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
@@ -108,10 +119,20 @@ def item_bases(p: int, m: int) -> list[list[int]]:
     return found
 
 
+def chunk_codes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
+    """Per-rank items whose Ws say their chunk (W1, W0) as codes (``timing.Encoding`` of the V)."""
+    return [[bases[t] + k for t, k in order] for bases, order in zip(item_bases(p, m), orders, strict=True)]
+
+
 def item_passes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[Pass]]:
-    """Per-rank items whose Ws say their chunk (W1, W0) as passes."""
-    bases, decode = item_bases(p, m), encoding_of((v_shape(p),), m).decode
-    return [[decode(bases[r][t] + k) for t, k in order] for r, order in enumerate(orders)]
+    """``chunk_codes`` as passes."""
+    return as_passes(p, m, chunk_codes(p, m, orders))
+
+
+def as_passes(p: int, m: int, codes: Sequence[Sequence[int]]) -> list[list[Pass]]:
+    """Codes of the V's passes (``timing.Encoding``) as passes."""
+    decode = encoding_of((v_shape(p),), m).decode
+    return [list(map(decode, order)) for order in codes]
 
 
 def producer(p: int, r: int, t: int) -> tuple[int, int] | None:
@@ -151,11 +172,15 @@ def all_blocks(p: int) -> dict[Offsets, tuple[bool, int, int]]:
             for d_rest in range(1, d_first + 1):
                 # d_rest = d_first: every first_ranks gives the same block
                 for hops in range(1, min(len(first) - 1, p - 1 if d_rest < d_first else 1) + 1) if p > 1 else (0,):
-                    offsets = _joined(first, hops, d_rest, p)
-                    if offsets is None or offsets in found:
+                    joined = _joined(first, hops, d_first, d_rest, p)
+                    if joined is None or joined[0] in found:
                         continue
+                    offsets, residues = joined
                     tight = min(d_first, d_rest if hops < p - 1 else d_first) < 2
-                    life = max(max(w_slots(*slots)) - slots[0] for slots in offsets)
+                    # life, to the later W; in C (pp 64: 3616 blocks of 64 ranks)
+                    f0, _, b1, b0 = zip(*offsets, strict=True)
+                    gap1, gap0 = zip(*starmap(_w_gaps, residues), strict=True)
+                    life = max(map(sub, map(max, map(add, b1, gap1), map(add, b0, gap0)), f0))
                     found[offsets] = (tight, -d_first, life)
     return found
 

@@ -26,9 +26,9 @@ from .extend import stretched
 from .greedy import ALL_SWITCHES
 from .result import Result
 from .search import Planner, Recipe, eval_microbatches, plan, searched
-from .torch_style import zbv_orders
-from .v_blocks import PERIOD, item_passes, plain_peak, repeated
-from .v_squeeze import squeezed_orders
+from .torch_style import zbv_codes
+from .v_blocks import PERIOD, as_passes, chunk_codes, plain_peak, repeated
+from .v_squeeze import squeezed_codes
 from .zbv_rounds import V_ROUND_SWITCHES, RoundRuns
 
 V_SWITCHES = tuple(s for s in ALL_SWITCHES if s.depth_first)  # breadth-first never won on the V
@@ -46,10 +46,15 @@ def v_half_offsets(p: int, i: int) -> list[int]:
 
 def block_orders(p: int, m: int, offsets) -> list[list[Pass]]:
     """Repeat the building block for every microbatch and read off each rank's order."""
+    return as_passes(p, m, block_codes(p, m, offsets))
+
+
+def block_codes(p: int, m: int, offsets) -> list[list[int]]:
+    """``block_orders`` as codes (``timing.Encoding`` of the V)."""
     for rank in range(p):
         if len({slot % PERIOD for slot in offsets(p, rank)}) != 4:
             raise ScheduleError(f"building block offsets {offsets(p, rank)} collide for pp={p}, rank {rank}")
-    return item_passes(p, m, repeated([tuple(offsets(p, rank)) for rank in range(p)], m))
+    return chunk_codes(p, m, repeated([tuple(offsets(p, rank)) for rank in range(p)], m))
 
 
 def v_spec(name: str, spec: ScheduleSpec) -> None:
@@ -78,7 +83,7 @@ def block_results(spec: ScheduleSpec, offsets) -> list[Result]:
     """The plain building block and the squeezed one, timed (the squeezed one may peak above the block)."""
     p, m, costs = spec.pp, spec.microbatches, spec.cost_model()
     found = []
-    for orders in (block_orders, squeezed_orders):
+    for orders in (block_codes, squeezed_codes):
         result = stretched(lambda n, make=orders: make(p, n, offsets), v_shape(p), costs, m)
         if result is not None:
             found.append(result)
@@ -111,7 +116,7 @@ def zb_v(spec: ScheduleSpec) -> Recipe:
     v_spec("zb-v", spec)
     limit, p, costs = one_f_one_b_peak(spec), spec.pp, spec.cost_model()
     planners = v_round_planners(costs, limit)
-    seed = stretched(lambda n: zbv_orders(p, n), v_shape(p), costs, spec.microbatches)
+    seed = stretched(lambda n: zbv_codes(p, n), v_shape(p), costs, spec.microbatches)
     return searched("zb-v", spec, v_shape(p), limit, [seed] if seed else [], planners, V_SWITCHES, lean=True)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..ir import Pass
-from .v_blocks import B0, B1, F0, RISE, item_passes, pack, producer
+from .v_blocks import B0, B1, F0, RISE, as_passes, chunk_codes, pack, producer
 
 WS = 4  # slot types on a rank: the V's four passes of a microbatch (v_blocks.py), and W
 
@@ -31,6 +31,11 @@ Slots = list[list[list[int]]]  # rank -> type -> microbatch -> slot
 
 def squeezed_orders(p: int, m: int, offsets: Offsets) -> list[list[Pass]]:
     """Per-rank orders of the building block ``offsets`` for m microbatches, squeezed."""
+    return as_passes(p, m, squeezed_codes(p, m, offsets))
+
+
+def squeezed_codes(p: int, m: int, offsets: Offsets) -> list[list[int]]:
+    """``squeezed_orders`` as codes (``timing.Encoding`` of the V)."""
     slots: Slots = [[[base + 6 * k for k in range(m)] for base in offsets(p, r)] for r in range(p)]
     for ranks in slots:
         ranks.append(_ws_after_bs(ranks, split=False)[0])
@@ -41,7 +46,7 @@ def squeezed_orders(p: int, m: int, offsets: Offsets) -> list[list[Pass]]:
         ranks.append(_ws_after_bs(ranks, split=False)[0])
     slots = [ranks[:4] for ranks in _as_early_as_possible(slots, p, m)]
     orders = [[(t, k) for _, t, k in _items([*ranks, *_ws_after_bs(ranks, split=True)])] for ranks in slots]
-    return item_passes(p, m, orders)  # the Ws of the late chunk (W1) and the early chunk (W0)
+    return chunk_codes(p, m, orders)  # the Ws of the late chunk (W1) and the early chunk (W0)
 
 
 def _ws_after_bs(ranks: list[list[int]], split: bool) -> list[list[int]]:
