@@ -49,7 +49,7 @@ def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Or
     reps = max(m, 2 * p)
     orders = repeated(offsets, reps)
     bound = _peak(orders)
-    if pack(p, reps, orders) is None or bound > 2 * p:
+    if bound > 2 * p or (not _flows(p, offsets) and pack(p, reps, orders) is None):
         return None
     orders = [_warm_up(order, i, p, bound, reps) for i, order in enumerate(orders)]
     slots = pack(p, reps, orders)
@@ -63,6 +63,16 @@ def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Or
     orders = _cool_down(orders, slots, p, m, _peak(orders))
     slots = None if orders is None else pack(p, m, orders)
     return None if slots is None else (orders, slots, bound)
+
+
+def _flows(p: int, offsets: list[tuple[int, int, int, int]]) -> bool:
+    """Whether every pass of the block comes after its input (each W after its B by construction): then
+    the repeated block packs (the pass in the earliest slot not placed can always run), unpacked."""
+    return all(
+        (source := producer(p, r, t)) is None or offsets[source[0]][source[1]] < slot
+        for r, slots in enumerate(offsets)
+        for t, slot in enumerate(slots)
+    )
 
 
 def _peak(orders: Orders) -> int:
