@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.generators.extend import fewer_microbatches, stretched
 from megatron_zb.schedule.generators.result import Result, timed
-from megatron_zb.schedule.generators.torch_style import interleaved_zb_orders, zbv_orders
-from megatron_zb.schedule.generators.v_blocks import all_blocks, block_offsets
+from megatron_zb.schedule.generators.torch_style import interleaved_zb_orders, zbv_codes
+from megatron_zb.schedule.generators.v_blocks import all_blocks, as_passes, block_offsets
 from megatron_zb.schedule.generators.v_family import v_half_offsets, v_min_offsets
-from megatron_zb.schedule.generators.v_squeeze import squeezed_orders
+from megatron_zb.schedule.generators.v_squeeze import squeezed_codes
 from megatron_zb.schedule.generators.zb_rounds import ROUND_SWITCHES, NoRoom, round_orders
 from megatron_zb.schedule.generators.zbv_rounds import V_ROUND_SWITCHES, RoundRuns, v_round_orders
 from megatron_zb.schedule.ir import Pass, Schedule, ScheduleError
@@ -108,7 +108,7 @@ def test_v_auto_does_not_grow_with_the_limit(p, m, kind, low, more):
 def test_zb_v_is_never_worse_than_the_pytorch_style_zb_v_order(p, m, kind):
     costs = make(p, kind)
     ours = planned("zb-v", p, m, costs)
-    theirs = simulate(Schedule("zbv", (v_shape(p),), m, tuple(map(tuple, zbv_orders(p, m)))), costs)
+    theirs = simulate(Schedule("zbv", (v_shape(p),), m, tuple(map(tuple, as_passes(p, m, zbv_codes(p, m))))), costs)
     assert max(ours.peak_memory) <= max(theirs.peak_memory) + 1e-9
     assert ours.stage_span <= theirs.stage_span * TOLERANCE
 
@@ -215,10 +215,10 @@ def test_squeezed_blocks_are_valid_and_keep_the_slot_memory(p):
     costs = CostModel(p)
     for m in (1, p, 2 * p + 1):
         for offsets in (v_half_offsets, v_min_offsets):
-            orders = squeezed_orders(p, m, offsets)
+            orders = as_passes(p, m, squeezed_codes(p, m, offsets))
             assert validate(Schedule("sq", (v_shape(p),), m, tuple(map(tuple, orders))), costs) == []
         for block in list(all_blocks(p))[:: max(1, len(all_blocks(p)) // 12)]:
-            orders = squeezed_orders(p, m, lambda q, r, b=block: b[r])
+            orders = as_passes(p, m, squeezed_codes(p, m, lambda q, r, b=block: b[r]))
             result = timed(orders, v_shape(p), costs, m)
             assert result is not None and validate(_as_schedule(result, v_shape(p), m), costs) == []
 
@@ -227,7 +227,9 @@ def test_squeezed_v_half_matches_the_reference_count():
     # p=4, m=8, unit costs: each rank runs 48 half-stage passes (24 time units) in 53 slots, so the
     # stage span is 26.5 (bubble 5/53 = 9.43%, as the reference's v-half), at the block's peak of 3.
     costs = CostModel(4)
-    schedule = Schedule("sq", (v_shape(4),), 8, tuple(map(tuple, squeezed_orders(4, 8, v_half_offsets))))
+    schedule = Schedule(
+        "sq", (v_shape(4),), 8, tuple(map(tuple, as_passes(4, 8, squeezed_codes(4, 8, v_half_offsets))))
+    )
     timeline = simulate(schedule, costs)
     assert timeline.stage_span == 26.5
     assert peak_memory(schedule, costs) == 3
@@ -264,7 +266,7 @@ def _torch_orders(name: str, p: int, m: int, per_rank: int) -> tuple:
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 5), (4, 3), (4, 8), (4, 13), (6, 12)])
 def test_zbv_order_is_pytorchs(p, m):
-    assert tuple(map(tuple, zbv_orders(p, m))) == _torch_orders("ScheduleZBVZeroBubble", p, m, 2)
+    assert tuple(map(tuple, as_passes(p, m, zbv_codes(p, m)))) == _torch_orders("ScheduleZBVZeroBubble", p, m, 2)
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 12, 4), (3, 9, 3)])

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_zb.schedule.generators.torch_style import dualpipev_orders, interleaved_zb_orders, zbv_orders
+from megatron_zb.schedule.generators.torch_style import dualpipev_orders, interleaved_zb_orders, zbv_codes
+from megatron_zb.schedule.generators.v_blocks import as_passes
 from megatron_zb.schedule.ir import Schedule, ScheduleError, parse_orders
 from megatron_zb.schedule.lower import DataParallel, lower
 from megatron_zb.schedule.placement import interleaved, linear, mirrored, v_shape
@@ -306,7 +307,7 @@ def test_the_pytorch_orders_we_seed_with_are_pytorchs(p):
     bench = load_script("bench_vs_pytorch")
     compared = 0
     for m in (p, 2 * p, 2 * p + 1, 3 * p, 5 * p + 3):
-        ours = {("ScheduleZBVZeroBubble", 2): zbv_orders(p, m)}
+        ours = {("ScheduleZBVZeroBubble", 2): as_passes(p, m, zbv_codes(p, m))}
         if m >= 2 * p:
             ours["ScheduleDualPipeV", 2] = dualpipev_orders(p, m)
         for chunks in (2, 4):

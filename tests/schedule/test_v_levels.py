@@ -9,10 +9,10 @@ from megatron_zb.schedule.generators.polish import polish
 from megatron_zb.schedule.generators.result import Result, encoding_of, timed, timed_codes
 from megatron_zb.schedule.generators.torch_style import dualpipev_orders
 from megatron_zb.schedule.generators.v_auto import dualpipev_peak
-from megatron_zb.schedule.generators.v_blocks import all_blocks, plain_peak
-from megatron_zb.schedule.generators.v_family import block_orders
+from megatron_zb.schedule.generators.v_blocks import all_blocks, as_passes, plain_peak
+from megatron_zb.schedule.generators.v_family import block_codes
 from megatron_zb.schedule.generators.v_reorder import reordered_variants
-from megatron_zb.schedule.generators.v_squeeze import squeezed_orders
+from megatron_zb.schedule.generators.v_squeeze import squeezed_codes
 from megatron_zb.schedule.ir import Schedule, ScheduleError, parse_orders
 from megatron_zb.schedule.placement import linear, v_shape
 from megatron_zb.schedule.registry import ScheduleSpec, build, get, names
@@ -116,7 +116,7 @@ def test_a_stretched_steady_state_is_as_short_as_planning_all_microbatches(p):
     stretched = planned = 0
     for block in sampled_blocks(p):
         plans = [lambda n, b=block: reordered_orders(p, n, b, False)]
-        plans.append(lambda n, b=block: squeezed_orders(p, n, lambda _, r: b[r]))
+        plans.append(lambda n, b=block: as_passes(p, n, squeezed_codes(p, n, lambda _, r: b[r])))
         for plan in plans:
             small, full = plan(fewer), plan(fewer + more)
             if small is None or full is None:
@@ -160,7 +160,7 @@ def test_polish_moves_a_weight_gradient_off_the_critical_path():
 def test_polish_is_never_worse_and_keeps_the_limit(p):
     costs, m = gpt_like(p), 2 * p + 1
     for block in sampled_blocks(p, 6):
-        result = timed(squeezed_orders(p, m, lambda _, r, b=block: b[r]), v_shape(p), costs, m)
+        result = timed_codes(squeezed_codes(p, m, lambda _, r, b=block: b[r]), v_shape(p), costs, m)
         better = polish(result, v_shape(p), costs, result.peak)
         assert better.score()[:2] <= result.score()[:2]
         assert better.peak <= result.peak + 1e-9
@@ -173,7 +173,9 @@ def test_polish_is_never_worse_and_keeps_the_limit(p):
 def test_the_closed_form_peak_is_the_peak_of_the_repeated_block(p):
     for costs in (profile(p, "A"), uneven_memory(p)):
         for block in sampled_blocks(p):
-            schedule = as_schedule(block_orders(p, 3 * p, lambda _, r, b=block: list(b[r])), p, 3 * p)
+            schedule = as_schedule(
+                as_passes(p, 3 * p, block_codes(p, 3 * p, lambda _, r, b=block: list(b[r]))), p, 3 * p
+            )
             simulated = max(max(levels) for levels in memory_levels(schedule, costs))
             assert plain_peak(block, costs) == pytest.approx(simulated)
 

@@ -28,7 +28,8 @@ from ..placement import Placement, interleaved, v_shape
 from ..registry import ScheduleSpec, build, get, names, register
 from .result import Result, timed_schedule
 from .search import Recipe, plan
-from .torch_style import dualpipev_orders, interleaved_zb_orders, zbv_orders
+from .torch_style import dualpipev_orders, interleaved_zb_orders, zbv_codes
+from .v_blocks import as_passes
 
 MOST_CHUNKS = 8  # chunk counts above it are not searched (planning time grows with the blocks)
 
@@ -82,7 +83,9 @@ def torch_orders(spec: ScheduleSpec) -> Iterator[Schedule]:
     """PyTorch's ZB-V, DualPipeV and interleaved zero-bubble orders where they run the setting."""
     p, m = spec.pp, spec.microbatches
     if spec.chunks in (None, 2):
-        yield Schedule("PyTorch's ZBVZeroBubble order", (v_shape(p),), m, tuple(map(tuple, zbv_orders(p, m))))
+        yield Schedule(
+            "PyTorch's ZBVZeroBubble order", (v_shape(p),), m, tuple(map(tuple, as_passes(p, m, zbv_codes(p, m))))
+        )
         if m >= 2 * p:
             yield Schedule("PyTorch's DualPipeV order", (v_shape(p),), m, tuple(map(tuple, dualpipev_orders(p, m))))
     for chunks in (c for c in chunk_counts(spec) if c > 1):

@@ -4,7 +4,7 @@ They join the automatic planners as seeds, so an automatic schedule is never wor
 when they fit its memory limit (torch is never imported; the orders follow the published
 phase structure):
 
-- ``zbv_orders``: ZB-V on the V placement with Ws in a fixed place. Rank r warms up with
+- ``zbv_codes``: ZB-V on the V placement with Ws in a fixed place. Rank r warms up with
   2(pp-r)-1 early forwards, r pairs of late and early forwards and pp-r late F-B-W triples,
   then repeats early F-B-W and late F-B-W, and cools down with r B pairs, pp-r early B-W
   pairs and the deferred Ws. It is planned for at least 2pp-1 microbatches and the extra ones
@@ -24,16 +24,12 @@ from __future__ import annotations
 
 from ..ir import BW, B, F, Pass, W
 from .interleaved import looped
-from .v_blocks import B0, B1, F0, F1, W0, W1, as_passes, chunk_codes
-
-
-def zbv_orders(p: int, m: int) -> list[list[Pass]]:
-    return as_passes(p, m, zbv_codes(p, m))
+from .v_blocks import B0, B1, F0, F1, W0, W1, chunk_codes
 
 
 def zbv_codes(p: int, m: int) -> list[list[int]]:
-    """``zbv_orders`` as codes (``timing.Encoding`` of the V): planned for at least 2pp - 1 microbatches,
-    the others left out."""
+    """PyTorch's ZB-V order as codes (``timing.Encoding`` of the V; ``v_blocks.as_passes`` reads them):
+    planned for at least 2pp - 1 microbatches, the others left out."""
     total = max(2 * p - 1, m)
     items = ([(t, k) for t, k in _zbv_rank(p, total, r) if k < m] for r in range(p))
     return chunk_codes(p, m, list(items))

@@ -37,19 +37,17 @@ PERIOD = 6
 F0, F1, B1, B0 = range(4)  # a microbatch's passes on a rank of the V, in slot-model items; higher types are Ws
 W1, W0 = 4, 5  # where a W's chunk is known: the late chunk's W and the early chunk's
 RISE = (1, 1, 0, 0, -1, -1)  # slot-model memory per item (chunk activations)
-Offsets = tuple[tuple[int, int, int, int], ...]  # per rank: absolute slots of F0, F1, B1, B0 of microbatch 0
+Quad = tuple[int, int, int, int]  # F0, F1, B1, B0 of a rank: their slots, or residues
+Offsets = tuple[Quad, ...]  # per rank: absolute slots of F0, F1, B1, B0 of microbatch 0
 
 
 def block_offsets(p: int, pattern: tuple[int, int, int], d_first: int, d_rest: int, first_ranks: int) -> Offsets | None:
     """Microbatch 0's slots of a block, or None if two passes of a rank share a residue."""
     hops = min(first_ranks, p - 1)
-    joined = _joined(_residues((0, *pattern), d_first, hops), hops, d_first, d_rest, p)
-    return None if joined is None else joined[0]
+    return (_joined(_residues((0, *pattern), d_first, hops), hops, d_first, d_rest, p) or (None,))[0]
 
 
-def _joined(
-    first: list[tuple[int, int, int, int]], hops: int, d_first: int, d_rest: int, p: int
-) -> tuple[Offsets, list[tuple[int, int, int, int]]] | None:
+def _joined(first: list[Quad], hops: int, d_first: int, d_rest: int, p: int) -> tuple[Offsets, list[Quad]] | None:
     """The block whose first ``hops`` hops have ``first``'s residues (shifts of d_first) and the others
     d_rest's, with every rank's residues; None if two passes of a rank share a residue."""
     if len(first) <= hops:
@@ -61,7 +59,7 @@ def _joined(
     return _walk(residues, [d_first] * hops + [d_rest] * (p - 1 - hops)), residues
 
 
-def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple[int, int, int, int]]:
+def _residues(start: Quad, d: int, hops: int) -> list[Quad]:
     """Residues of up to ``hops`` ranks after ``start`` (downward passes shifted by d, upward by -1),
     stopping before the first rank where two passes would share one. The shifts repeat every 6
     ranks, so a run that gets past 5 repeats for good."""
@@ -75,15 +73,14 @@ def _residues(start: tuple[int, int, int, int], d: int, hops: int) -> list[tuple
     return (found * (hops // PERIOD + 1))[: hops + 1]
 
 
-def _walk(residues: list[tuple[int, int, int, int]], downs: list[int]) -> Offsets:
+def _walk(residues: list[Quad], downs: list[int]) -> Offsets:
     """Microbatch 0's data flow: each pass in the first slot after its input with its residue. A
     downward hop of d (F0, B1) moves d slots on, an upward one (F1, B0: residue +1) one slot."""
-    p, last = len(residues), len(residues) - 1
-    ups = [1] * (p - 1)
+    ups = [1] * len(downs)
     f0 = _chain(-1, residues[0][F0], downs)
-    f1 = _chain(f0[-1], residues[last][F1], ups)[::-1]
+    f1 = _chain(f0[-1], residues[-1][F1], ups)[::-1]
     b1 = _chain(f1[0], residues[0][B1], downs)
-    b0 = _chain(b1[-1], residues[last][B0], ups)[::-1]
+    b0 = _chain(b1[-1], residues[-1][B0], ups)[::-1]
     return tuple(zip(f0, f1, b1, b0, strict=True))
 
 
@@ -98,7 +95,7 @@ def w_slots(f0: int, f1: int, b1: int, b0: int) -> tuple[int, int]:
     return b1 + gap1, b0 + gap0
 
 
-def repeated(offsets: Sequence[tuple[int, int, int, int]], reps: int) -> list[list[tuple[int, int]]]:
+def repeated(offsets: Sequence[Quad], reps: int) -> list[list[tuple[int, int]]]:
     """Each rank's items of the block repeated ``reps`` times; W1 and W0 take the first free residues."""
     orders = []
     for f0, f1, b1, b0 in offsets:
@@ -122,11 +119,6 @@ def item_bases(p: int, m: int) -> list[list[int]]:
 def chunk_codes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
     """Per-rank items whose Ws say their chunk (W1, W0) as codes (``timing.Encoding`` of the V)."""
     return [[bases[t] + k for t, k in order] for bases, order in zip(item_bases(p, m), orders, strict=True)]
-
-
-def item_passes(p: int, m: int, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[Pass]]:
-    """``chunk_codes`` as passes."""
-    return as_passes(p, m, chunk_codes(p, m, orders))
 
 
 def as_passes(p: int, m: int, codes: Sequence[Sequence[int]]) -> list[list[Pass]]:

@@ -18,7 +18,7 @@ rank holds one early and one late block and memory is balanced across ranks.
 from __future__ import annotations
 
 from ..costs import CostModel
-from ..ir import Pass, Schedule, ScheduleError
+from ..ir import Schedule, ScheduleError
 from ..placement import v_shape
 from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
@@ -44,13 +44,9 @@ def v_half_offsets(p: int, i: int) -> list[int]:
     return [2 * i, 3 * p - i - 2, 3 * p + delta + 2 * i - 1, 6 * p + delta - i - 2]
 
 
-def block_orders(p: int, m: int, offsets) -> list[list[Pass]]:
-    """Repeat the building block for every microbatch and read off each rank's order."""
-    return as_passes(p, m, block_codes(p, m, offsets))
-
-
 def block_codes(p: int, m: int, offsets) -> list[list[int]]:
-    """``block_orders`` as codes (``timing.Encoding`` of the V)."""
+    """Repeat the building block for every microbatch and read off each rank's order, as codes
+    (``timing.Encoding`` of the V; ``v_blocks.as_passes`` reads them)."""
     for rank in range(p):
         if len({slot % PERIOD for slot in offsets(p, rank)}) != 4:
             raise ScheduleError(f"building block offsets {offsets(p, rank)} collide for pp={p}, rank {rank}")
@@ -63,7 +59,7 @@ def v_spec(name: str, spec: ScheduleSpec) -> None:
 
 
 def block_schedule(name: str, spec: ScheduleSpec, offsets) -> Schedule:
-    orders = block_orders(spec.pp, spec.microbatches, offsets)
+    orders = as_passes(spec.pp, spec.microbatches, block_codes(spec.pp, spec.microbatches, offsets))
     return Schedule(name, (v_shape(spec.pp),), spec.microbatches, tuple(map(tuple, orders)))
 
 

@@ -27,10 +27,10 @@ from ..timing import EPS
 from .budget import BUDGET
 from .extend import extended, fewer_microbatches
 from .polish import polish
-from .result import Result, timed, timed_codes
+from .result import Result, timed_codes
 from .v_blocks import Offsets, blocks_by_level
 from .v_reorder import reordered_variants
-from .v_squeeze import squeezed_orders
+from .v_squeeze import squeezed_codes
 
 
 def level_candidates(p: int, m: int, costs: CostModel, limit: float | None) -> list[Result]:
@@ -137,7 +137,7 @@ def _best_by_peak(found: list[Result], costs: CostModel) -> dict[int, Result]:
 
 
 def _squeezed(p: int, m: int, costs: CostModel, block: Offsets) -> Result:
-    result = timed(squeezed_orders(p, m, lambda _, r: block[r]), v_shape(p), costs, m)
+    result = timed_codes(squeezed_codes(p, m, lambda _, r: block[r]), v_shape(p), costs, m)
     assert result is not None, "a squeezed block keeps every input before its pass"
     return result
 

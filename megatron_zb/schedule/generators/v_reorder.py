@@ -22,14 +22,14 @@ two passes in one slot is given up (None); v-auto keeps the squeezed block for i
 
 from __future__ import annotations
 
-from .v_blocks import B0, B1, F0, F1, RISE, W0, W1, item_codes, pack, producer, repeated
+from .v_blocks import B0, B1, F0, F1, RISE, W0, W1, Quad, item_codes, pack, producer, repeated
 
 Item = tuple[int, int]  # (type, microbatch)
 Orders = list[list[Item]]
 
 
 def reordered_variants(
-    p: int, m: int, offsets: list[tuple[int, int, int, int]], fills: tuple[bool, ...] = (False, True)
+    p: int, m: int, offsets: list[Quad], fills: tuple[bool, ...] = (False, True)
 ) -> list[list[list[int]] | None]:
     """Per-rank orders of the block ``offsets`` (microbatch 0's slots of F0, F1, B1, B0 per rank) as codes
     (``timing.Encoding`` of the V), for each of ``fills`` (whether its gaps are filled); steps 1-4 run once."""
@@ -44,7 +44,7 @@ def reordered_variants(
     return found
 
 
-def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Orders, list[list[int]], int] | None:
+def _steps(p: int, m: int, offsets: list[Quad]) -> tuple[Orders, list[list[int]], int] | None:
     """Steps 1-4: the orders, their slots and the peak they may keep; None if the block is given up."""
     reps = max(m, 2 * p)
     orders = repeated(offsets, reps)
@@ -65,14 +65,11 @@ def _steps(p: int, m: int, offsets: list[tuple[int, int, int, int]]) -> tuple[Or
     return None if slots is None else (orders, slots, bound)
 
 
-def _flows(p: int, offsets: list[tuple[int, int, int, int]]) -> bool:
+def _flows(p: int, offsets: list[Quad]) -> bool:
     """Whether every pass of the block comes after its input (each W after its B by construction): then
     the repeated block packs (the pass in the earliest slot not placed can always run), unpacked."""
-    return all(
-        (source := producer(p, r, t)) is None or offsets[source[0]][source[1]] < slot
-        for r, slots in enumerate(offsets)
-        for t, slot in enumerate(slots)
-    )
+    inputs = ((producer(p, r, t), slot) for r, slots in enumerate(offsets) for t, slot in enumerate(slots))
+    return all(source is None or offsets[source[0]][source[1]] < slot for source, slot in inputs)
 
 
 def _peak(orders: Orders) -> int:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..ir import Pass
-from .v_blocks import B0, B1, F0, RISE, as_passes, chunk_codes, pack, producer
+from .v_blocks import B0, B1, F0, RISE, chunk_codes, pack, producer
 
 WS = 4  # slot types on a rank: the V's four passes of a microbatch (v_blocks.py), and W
 
@@ -29,13 +28,9 @@ Offsets = Callable[[int, int], list[int]]
 Slots = list[list[list[int]]]  # rank -> type -> microbatch -> slot
 
 
-def squeezed_orders(p: int, m: int, offsets: Offsets) -> list[list[Pass]]:
-    """Per-rank orders of the building block ``offsets`` for m microbatches, squeezed."""
-    return as_passes(p, m, squeezed_codes(p, m, offsets))
-
-
 def squeezed_codes(p: int, m: int, offsets: Offsets) -> list[list[int]]:
-    """``squeezed_orders`` as codes (``timing.Encoding`` of the V)."""
+    """Per-rank orders of the building block ``offsets`` for m microbatches, squeezed, as codes
+    (``timing.Encoding`` of the V; ``v_blocks.as_passes`` reads them)."""
     slots: Slots = [[[base + 6 * k for k in range(m)] for base in offsets(p, r)] for r in range(p)]
     for ranks in slots:
         ranks.append(_ws_after_bs(ranks, split=False)[0])

@@ -11,6 +11,7 @@ bubble order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..ir import Schedule, ScheduleError
@@ -68,19 +69,12 @@ def generate(spec: ScheduleSpec) -> Schedule:
     return zb_auto("zb-auto", spec, spec.memory_limit)
 
 
-@register(
-    "zb-1p",
-    "automatic zero bubble at 1f1b's memory (limit pp microbatches); between zb-h1 and zb-h2",
-    options=("chunks",),
-)
-def generate_1p(spec: ScheduleSpec) -> Schedule:
-    return zb_auto("zb-1p", spec, preset_limit(spec, 1))
+def _preset(factor: int) -> Callable[[ScheduleSpec], Schedule]:
+    return lambda spec: zb_auto(f"zb-{factor}p", spec, preset_limit(spec, factor))
 
 
-@register(
-    "zb-2p",
-    "automatic zero bubble at twice 1f1b's memory (limit 2pp); about zero bubble for m >= 3pp",
-    options=("chunks",),
-)
-def generate_2p(spec: ScheduleSpec) -> Schedule:
-    return zb_auto("zb-2p", spec, preset_limit(spec, 2))
+for _factor, _summary in (
+    (1, "automatic zero bubble at 1f1b's memory (limit pp microbatches); between zb-h1 and zb-h2"),
+    (2, "automatic zero bubble at twice 1f1b's memory (limit 2pp); about zero bubble for m >= 3pp"),
+):
+    register(f"zb-{_factor}p", _summary, options=("chunks",))(_preset(_factor))
