@@ -70,41 +70,34 @@ class _Rounds:
                 self._put(s, W)
         return Result.of_clock(self.clock)
 
-    def _arrival(self, s: int, kind: int) -> float:
-        """When the input of the stage's next F or B is ready on its rank."""
-        return self.clock.ready(self.base[kind] + s * self.m + self.done[kind][s])
-
     def _put(self, s: int, kind: int) -> None:
-        code = self.base[kind] + s * self.m + (self.pending[s][0] if kind == W else self.done[kind][s])
+        pending = self.pending[s]
+        code = self.base[kind] + s * self.m + (pending[0] if kind == W else self.done[kind][s])
         if not self.clock.place(code):
             raise ScheduleError(f"the rounds placed {self.encoding.decode(code)} before its input")
         if kind == W:
-            self.pending[s].popleft()
-        else:
-            self.done[kind][s] += 1
+            pending.popleft()
+            return
+        self.done[kind][s] += 1
         if kind == B:
-            self.pending[s].append(code % self.m)
-
-    def _make_room(self, s: int, kind: int) -> None:
-        while self.clock.level[s] + self.delta[kind][s] > self.limit:
-            if not self.pending[s]:
-                raise NoRoom(f"stage {s} cannot fit its next {KINDS[kind]} under the memory limit")
-            self._put(s, W)
-
-    def _wait_with_ws(self, s: int, arrival: float) -> None:
-        """Fill the wait for an input with pending Ws (see the module docstring)."""
-        clock = self.clock
-        while self.pending[s] and clock.free[s] + self.cost[W][s] <= arrival + EPS:
-            self._put(s, W)
-        if self.pending[s] and clock.free[s] < arrival - EPS:
-            budget = clock.most_idle - clock.idle[s]
-            if self.sw.eager_w or arrival - clock.free[s] > budget:
-                self._put(s, W)
+            pending.append(code % self.m)
 
     def _step(self, s: int, kind: int, cross_rank: bool) -> None:
-        self._make_room(s, kind)
-        if cross_rank:
-            self._wait_with_ws(s, self._arrival(s, kind))
+        """Make room for the pass (pending Ws free memory), fill the wait for its input from another rank
+        with pending Ws (see the module docstring), and place it."""
+        clock, pending = self.clock, self.pending[s]
+        while clock.level[s] + self.delta[kind][s] > self.limit:
+            if not pending:
+                raise NoRoom(f"stage {s} cannot fit its next {KINDS[kind]} under the memory limit")
+            self._put(s, W)
+        if cross_rank and pending:
+            arrival = clock.ready(self.base[kind] + s * self.m + self.done[kind][s])
+            free, cost_w = clock.free, self.cost[W][s]
+            while pending and free[s] + cost_w <= arrival + EPS:
+                self._put(s, W)
+            if pending and free[s] < arrival - EPS:
+                if self.sw.eager_w or arrival - free[s] > clock.most_idle - clock.idle[s]:
+                    self._put(s, W)
         self._put(s, kind)
 
     def _warm_up(self) -> None:
