@@ -180,8 +180,11 @@ def check(results: list[dict], expect_skip: bool, precision: str) -> dict:
 PP4 = f"--pipeline-model-parallel-size 4 --global-batch-size 16 --clip-grad {CLIP}"
 # With two stages the first holds most of the norm: a higher threshold lets it guess, then be wrong, on some steps.
 # The dynamic scaler doubles its scale every 4 clean steps and halves it at the injected inf (no
-# hysteresis): the scale is part of the compared state, so a scaler updated differently fails.
-FP16_DYNAMIC = "--initial-loss-scale 256 --loss-scale-window 4 --hysteresis 1"
+# hysteresis): the scale is part of the compared state, so a scaler updated differently fails. From 64 it
+# reaches 512 by step 12; from 256 it reached 2048, and on an AMD EPYC host (fp16 on CPU rounds by the
+# ISA) the first stages then overflowed by themselves at step 13: they skipped without guessing, and
+# no stage was left to guess, and be undone, at the injected inf.
+FP16_DYNAMIC = "--initial-loss-scale 64 --loss-scale-window 4 --hysteresis 1"
 PP2_DISTOPT = "--pipeline-model-parallel-size 2 --global-batch-size 16 --clip-grad 1.5 --use-distributed-optimizer"
 
 
@@ -202,7 +205,7 @@ def test_steps_match_the_synchronous_optimizer(pool: WorkerPool, setting: str, i
     counts = check(results, expect_skip, precision)
     if precision == "fp16":  # the scaler did change: grown on clean windows, halved at the inf
         scales = [scale for _, _, scale in results[-1]["returned"]]
-        assert max(scales) > 256 and scales[INF_STEP - 1] == scales[INF_STEP - 2] / 2, scales
+        assert max(scales) > 64 and scales[INF_STEP - 1] == scales[INF_STEP - 2] / 2, scales
     assert counts["rolled_back"] > 0, "no step was undone: the case does not exercise the rollback"
     assert counts["recomputed"] > 0, "no iteration prefix was redone"
 
