@@ -77,12 +77,13 @@ def start_ranks(worker: Callable, args: tuple, processes: int, modules: Sequence
     """``processes`` forks of a server that imported ``modules`` once (training/rank_imports.py), each running
     ``worker(rank, launcher, *args)``: a torch ``ProcessContext``. A fork server keeps the environment and
     the stdout/stderr it started with; ``launcher`` (``Launcher``) holds this process's as they are now,
-    and the worker applies it first (``Launcher.apply``)."""
-    import multiprocessing
-
+    and the worker applies it first (``Launcher.apply``). The server imports from this process's ``sys.path``
+    (``training.fork_server``)."""
     import torch.multiprocessing as mp
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+    from .training import fork_server
+
+    fork_server.ensure(modules)
     return mp.start_processes(
         worker, args=(Launcher.now(), *args), nprocs=processes, join=False, start_method="forkserver"
     )

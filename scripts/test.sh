@@ -6,9 +6,9 @@
 # its ranks mostly wait on each other, so a second worker fills the other core. More workers each
 # start their own gloo pools (a few GB); give more only with the memory for them.
 source "$(dirname "$0")/_venv.sh"
-EXTRAS="test"
-# megatron-core >= 0.17 ships Megatron-LM's training loop: bring its pure-Python dependencies too.
-[ "$VENV" = .venv ] || EXTRAS="test,megatron-lm"
+# Megatron-LM's pure-Python dependencies too: the tests run Megatron-LM's training loop from the shared
+# checkouts (../shared/megatron-lm) and, on megatron-core >= 0.17, from the wheel's own megatron.training.
+EXTRAS="test,megatron-lm"
 "$VENV_PY" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .

@@ -38,3 +38,13 @@ def launcher_probe(rank: int, launcher, folder: str, name: str) -> None:
     value = os.environ.get(name, "(unset)")
     Path(folder, str(rank)).write_text(value)
     print(f"rank {rank}: {value}", flush=True)
+
+
+def preloaded_probe(rank: int, launcher, folder: str, module: str) -> None:
+    """A ``pretrain_gpt.start_ranks`` worker: writes to folder/rank where the fork server imported ``module``
+    from, before the rank touches ``sys.path`` ("(not preloaded)" when it did not)."""
+    import sys
+    from pathlib import Path
+
+    found = sys.modules.get(module)
+    Path(folder, str(rank)).write_text(getattr(found, "__file__", None) or "(not preloaded)")

@@ -121,9 +121,10 @@ class WorkerPool:
         """The ranks are forks of the launcher's fork server (``pretrain_gpt.RANK_IMPORTS`` imported once):
         a pool replaced after a case that left too many threads starts in a second, not 6 s of imports a rank."""
         from ..pretrain_gpt import RANK_IMPORTS
+        from ..training import fork_server
 
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(RANK_IMPORTS))
+        fork_server.ensure(RANK_IMPORTS)
         port = _free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]

@@ -1,8 +1,10 @@
 """Megatron-LM's own pretrain() on CPU with megatron-zb's schedules, against a real checkout.
 
-Runs when MEGATRON_LM_PATH names a Megatron-LM checkout (core_v0.16.1 on Python 3.11, core_v0.19.0
-or main on Python 3.12), skipped otherwise; its pure-Python dependencies come from
-``pip install 'megatron-zb[megatron-lm]'``. Every case is one ``megatron-zb train --megatron-lm
+Runs on the Megatron-LM checkout MEGATRON_LM_PATH names, else on the project's shared one for this Python
+(``../shared/megatron-lm/core_v0.16.1`` on 3.11, ``core_v0.19.0`` on 3.12: CI's two environments, where the
+installed megatron-core must lose to the checkout's in the launcher and in every rank), copied to a temporary
+folder (Megatron-LM builds its dataset helpers into the tree); skipped where neither exists. Its pure-Python
+dependencies come from ``pip install 'megatron-zb[megatron-lm]'``. Every case is one ``megatron-zb train --megatron-lm
 PATH --cpu`` launch (pretrain() owns its process): a tiny GPT (fp32, dropout 0, gradient clipping
 on) trains 10 iterations on pp=2 and the losses of each schedule equal megatron-core's 1F1B to
 1e-5 relative. V schedules build other layers on each rank than 1F1B does, so Megatron-LM's
@@ -15,7 +17,6 @@ wheel ships it from 0.17 on) with only the checkout's scripts.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from functools import cache
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
-CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+from megatron_zb.testing import checkouts
+
+pytestmark = pytest.mark.skipif(not checkouts.available(), reason=checkouts.skip_reason())
+EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
 
 ITERATIONS = 10
 MODEL = (
@@ -52,7 +55,8 @@ SAVED = ("zb-1p", "zb-v")  # saved at iteration 5 (and 10)
 
 
 def launch(flags: str, metrics: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "megatron_zb.pretrain_gpt", "--megatron-lm", CHECKOUT, "--cpu"]
+    root = checkouts.checkout(metrics.parent)
+    command = [sys.executable, "-m", "megatron_zb.pretrain_gpt", "--megatron-lm", str(root), "--cpu"]
     command += [*MODEL.split(), *flags.split(), "--metrics-file", str(metrics), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
@@ -122,3 +126,17 @@ def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: 
     assert done.returncode != 0
     assert "zb-v places its layer blocks itself" in done.stderr, done.stderr[-4000:]
     assert not (tmp / "v-layout.jsonl").exists()
+
+
+def test_verify_through_the_checkout(tmp: Path) -> None:
+    """``megatron-zb verify --megatron-lm <checkout>``, as the README installs it (megatron-core in the venv): the
+    checkout's Llama-3 8B example line (bf16, GQA, SwiGLU, distributed optimizer with both overlaps) with zb-v."""
+    example = EXAMPLES / f"llama3_8b_{checkouts.SHARED_CHECKOUT.name}.json"
+    argv = json.loads(example.read_text())["argv"]
+    root = checkouts.checkout(tmp)
+    command = [sys.executable, "-m", "megatron_zb", "verify", "--megatron-lm", str(root), "--", *argv]
+    done = subprocess.run([*command, "--zero-bubble-v-schedule"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "zb-v against megatron-core's own schedule, through Megatron-LM" in done.stdout
+    assert "your checkout's scripts" in done.stdout
+    assert "OK: zb-v matches megatron-core's schedule" in done.stdout

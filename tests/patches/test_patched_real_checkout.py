@@ -1,9 +1,10 @@
 """The patched pretrain_gpt.py of a real checkout trains a V schedule, equal to megatron-core's 1F1B.
 
-Runs when MEGATRON_LM_PATH names a Megatron-LM checkout (skipped otherwise). The checkout is left
-alone: its pretrain_gpt.py is copied next to a package_info.py, patched there with
-patches/apply.sh, and run as ``__main__`` (what ``torchrun pretrain_gpt.py`` does) by two spawned
-gloo ranks on CPU, with the checkout on the path for everything else. The reference is
+Runs on the checkout MEGATRON_LM_PATH names, else on a copy of the project's shared one for this Python
+(``megatron_zb.testing.checkouts``; skipped where neither exists). The checkout is left alone: its
+pretrain_gpt.py is copied next to a package_info.py, patched there with patches/apply.sh, and run as
+``__main__`` (what ``torchrun pretrain_gpt.py`` does) by two spawned gloo ranks on CPU, with the checkout
+on the path for everything else. The reference is
 megatron-core's 1F1B through ``megatron-zb train --megatron-lm`` from the same weights
 (``--zero-bubble-placement-independent-init``).
 """
@@ -11,7 +12,6 @@ megatron-core's 1F1B through ``megatron-zb train --megatron-lm`` from the same w
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+from megatron_zb.testing import checkouts
+
+pytestmark = pytest.mark.skipif(not checkouts.available(), reason=checkouts.skip_reason())
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = (
@@ -70,7 +71,7 @@ def losses(metrics: Path) -> dict[int, float]:
 
 
 def test_patched_script_trains_zb_v_like_megatron_cores_1f1b(tmp_path: Path) -> None:
-    real = Path(CHECKOUT)
+    real = checkouts.checkout(tmp_path)
     copy = tmp_path / "patched"
     (copy / "megatron" / "core").mkdir(parents=True)
     shutil.copy(real / "pretrain_gpt.py", copy / "pretrain_gpt.py")
