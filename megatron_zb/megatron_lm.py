@@ -78,6 +78,9 @@ def run(argv: Sequence[str]) -> int:
         os.environ["MEGATRON_LM_PATH"] = os.path.abspath(launch.megatron_lm)
     if launch.cpu:
         own_providers = uses_own_providers()  # imports the checkout's megatron.training (or the installed one)
+        unset = preflight.unset_te_attention()  # before the checks, which unset them too
+        if unset:
+            print(f"megatron-zb train: on CPU: {unset}", file=sys.stderr)
         try:
             world = _world_size(launch, rest)
             checked = preflight.check(rest, world, own_providers)

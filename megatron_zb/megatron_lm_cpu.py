@@ -179,12 +179,26 @@ def _megatron_lm() -> None:
 
 
 def set_environment() -> None:
-    """What Megatron-LM's validate_args asks of the environment with tensor parallelism below Blackwell.
+    """What Megatron-LM's validate_args asks of the environment with tensor parallelism below Blackwell, without
+    Transformer Engine's attention variables (``TE_ATTENTION_VARIABLES``).
 
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` orders kernels on a GPU; on CPU it has no meaning, but without it
     validate_args refuses tensor or context parallelism (architecture 0 here, see ``no_gpu_architecture``).
     """
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for name in TE_ATTENTION_VARIABLES:
+        os.environ.pop(name, None)
+
+
+# Transformer Engine's choice of attention kernel. A CPU run has no Transformer Engine, but megatron-core's
+# language model still checks them against --attention-backend (auto: each must be unset or 1), so a line's
+# NVTE_FUSED_ATTN=0 would stop every rank.
+TE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def te_attention_settings() -> list[str]:
+    """The Transformer Engine attention variables set in this environment (``set_environment`` unsets them)."""
+    return [f"{name}={os.environ[name]}" for name in TE_ATTENTION_VARIABLES if name in os.environ]
 
 
 def no_gpu_architecture() -> None:

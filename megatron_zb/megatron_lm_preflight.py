@@ -16,6 +16,8 @@ import contextlib
 import copy
 import importlib.util
 import io
+import os
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,6 +56,8 @@ GPU_ONLY = {
     "use_te_activation_func": (bool, "Transformer Engine needs a GPU", "leave it out on CPU"),
     "cross_entropy_fusion_impl": (lambda v: v == "te", "Transformer Engine's fused cross entropy needs a GPU",
                                   "--cross-entropy-fusion-impl native"),
+    "multi_latent_attention": (bool, "megatron-core's local layer spec, the one a CPU runs, cannot build "
+                               "multi-latent attention (it needs Transformer Engine)", "run it on a GPU"),
     "attention_backend": (lambda v: getattr(v, "name", v) in ("flash", "fused"),
                           "it selects Transformer Engine's attention kernels, which need a GPU",
                           "leave it out (auto: megatron-core's local layer spec computes attention itself)"),
@@ -123,6 +127,21 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
     return Checked(additions, 60.0 * validated.distributed_timeout_minutes)
 
 
+def unset_te_attention() -> str | None:
+    """Unset Transformer Engine's attention variables for the ranks; the line saying so, or None when none was set."""
+    from . import megatron_lm_cpu
+
+    found = megatron_lm_cpu.te_attention_settings()
+    if not found:
+        return None
+    for name in megatron_lm_cpu.TE_ATTENTION_VARIABLES:
+        os.environ.pop(name, None)
+    return (
+        f"unset {', '.join(found)} (Transformer Engine's choice of attention kernel: a CPU runs megatron-core's own "
+        "attention, whose check of these against --attention-backend would stop every rank)"
+    )
+
+
 def _gpu_only(dest: str, flags: Sequence[Given]) -> str | None:
     """The refusal of a GPU-only setting: for a flag the line gives (defaults are replaced by CPU_SETTINGS)."""
     given = [flag for flag in flags if flag.dest == dest]
@@ -158,10 +177,44 @@ def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: in
         try:
             validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
         except AssertionError as error:
-            raise ValueError(f"Megatron-LM {megatron_lm_version()}'s validate_args refuses it: {error}") from None
+            raise ValueError(
+                f"Megatron-LM {megatron_lm_version()}'s validate_args refuses it: {failed_assertion(error)}"
+            ) from None
     _refuse_unset_eval_interval(args)
     check_zero_bubble(args)
+    _build_config(args)
     return args
+
+
+def _build_config(args: argparse.Namespace) -> None:
+    """megatron-core's TransformerConfig from the validated line, as every rank's model provider builds it first.
+
+    Its own checks (``__post_init__``) refuse what ``validate_args`` lets through, e.g.
+    ``--defer-embedding-wgrad-compute`` without the gradient-accumulation fusion that a CPU run turns off:
+    here they fail once, before any process starts, instead of in every rank after spawn.
+    """
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            core_transformer_config_from_args(copy.copy(args))
+    except (AssertionError, ValueError, NotImplementedError) as error:
+        raise ValueError(
+            f"megatron-core's TransformerConfig refuses the line as Megatron-LM {megatron_lm_version()} builds it: "
+            f"{failed_assertion(error)}"
+        ) from None
+
+
+def failed_assertion(error: BaseException) -> str:
+    """The error's message; for a bare ``assert`` (no message) the source line that failed, and where."""
+    text = str(error).strip()
+    if text:
+        return text
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return type(error).__name__
+    last = frames[-1]
+    return f"{(last.line or '').strip() or type(error).__name__} ({os.path.basename(last.filename)}:{last.lineno})"
 
 
 def _refuse_unset_eval_interval(args: argparse.Namespace) -> None:

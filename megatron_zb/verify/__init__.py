@@ -133,6 +133,7 @@ def _own_loop(options: argparse.Namespace, user: list[str], inject: int | None) 
 
 
 def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
+    from .. import megatron_lm_preflight as preflight
     from ..megatron.args import add_args
     from ..megatron_lm import uses_own_providers
     from ..megatron_lm_flags import megatron_lm_parser, megatron_lm_version
@@ -143,6 +144,9 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
         raise ValueError("--verify-loop megatron-lm needs Megatron-LM's megatron.training (megatron-core >= 0.17, or "
                          "a checkout with --megatron-lm PATH)")  # fmt: skip
     own = uses_own_providers()
+    unset = preflight.unset_te_attention()
+    if unset:
+        print(f"{PROG}: on CPU: {unset}", flush=True)
     with tempfile.TemporaryDirectory(prefix="megatron-zb-verify-") as folder:
         limits = scale.Limits(options.verify_iters, options.verify_data_parallel, Path(folder))
         line, timeout_s = _scaled_line(parser, user, limits, own)
@@ -155,12 +159,12 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
         )
         print(line.table(), flush=True)
         try:
-            reference, seconds = megatron_lm_runs.train(
-                line.reference_argv, line.processes, "reference", Path(folder), timeout_s
+            runs = [("reference", "megatron-core's own schedule", line.reference_argv)]
+            runs.append(("zero-bubble", line.schedule, line.argv))
+            reference, theirs = (
+                _train(megatron_lm_runs, argv, line.processes, name, label, Path(folder), timeout_s)
+                for name, label, argv in runs
             )
-            print(f"megatron-core's own schedule: trained in {seconds:.0f} s", flush=True)
-            theirs, seconds = megatron_lm_runs.train(line.argv, line.processes, "theirs", Path(folder), timeout_s)
-            print(f"{line.schedule}: trained in {seconds:.0f} s", flush=True)
         except megatron_lm_runs.RunFailed as error:
             print(f"{PROG}: {error}", file=sys.stderr)
             return 1
@@ -168,6 +172,13 @@ def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
     verdict = compare(reference, theirs, tolerance)
     print(report(verdict, reference, theirs, line.schedule, tolerance))
     return 0 if verdict.passed else 1
+
+
+def _train(runs, argv: list[str], processes: int, name: str, label: str, folder: Path, timeout_s: float):
+    """One run (``megatron_lm_runs.train``), its time printed under ``label``: what it logged."""
+    logged, seconds = runs.train(argv, processes, name, folder, timeout_s, label)
+    print(f"{label}: trained in {seconds:.0f} s", flush=True)
+    return logged
 
 
 def _scaled_line(parser, user: list[str], limits, own_providers: bool):

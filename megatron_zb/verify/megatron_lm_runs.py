@@ -21,8 +21,13 @@ class RunFailed(RuntimeError):
     """A run ended without training: its log's tail says why."""
 
 
-def train(argv: list[str], processes: int, name: str, folder: Path, timeout_s: float) -> tuple[Run, float]:
-    """Run ``pretrain()`` with ``argv`` (checked) on ``processes`` gloo processes; (what it logged, seconds)."""
+def train(
+    argv: list[str], processes: int, name: str, folder: Path, timeout_s: float, label: str | None = None
+) -> tuple[Run, float]:
+    """Run ``pretrain()`` with ``argv`` (checked) on ``processes`` gloo processes; (what it logged, seconds).
+
+    ``name`` names its files in ``folder``; ``label`` (default ``name``) names the run to the user.
+    """
     from ..megatron_lm import spawn_cpu
 
     metrics, log = folder / f"{name}.jsonl", folder / f"{name}.log"
@@ -31,7 +36,8 @@ def train(argv: list[str], processes: int, name: str, folder: Path, timeout_s: f
         code = spawn_cpu(argv, processes, str(metrics), timeout_s=timeout_s)
     seconds = time.perf_counter() - start
     if code != 0 or not metrics.exists():
-        raise RunFailed(f"the {name} run failed:\n{_tail(log)}")
+        why = "it exited with status 0 but logged no iteration" if code == 0 else f"exit status {code}"
+        raise RunFailed(f"the run with {label or name} failed ({why}); the end of its log:\n{_tail(log)}")
     return read_metrics(metrics), seconds
 
 

@@ -80,7 +80,21 @@ NOT_USED = {
     "pipeline_model_parallel_layout": "the scaled copy holds one layer per pipeline stage",
     "account_for_embedding_in_pipeline_split": "the scaled copy holds one layer per pipeline stage",
     "account_for_loss_in_pipeline_split": "the scaled copy holds one layer per pipeline stage",
+    "error_injection_rate": "injects faults on purpose (Megatron-LM's test of its re-run machinery: a run with an "
+    "injected fault checkpoints and exits); verify compares two undisturbed runs",
+    "error_injection_type": "no faults are injected (see --error-injection-rate)",
 }
+# A flag the scaled copy sets -> the flags that need it otherwise, dropped with it (dest, why)
+DEPENDENTS = {
+    "--no-gradient-accumulation-fusion": (
+        ("defer_embedding_wgrad_compute", "defers the embedding's weight gradient into the fused gradient-"
+         "accumulation kernel, which a CPU run turns off"),
+    ),
+    "--no-overlap-p2p-communication": (
+        ("overlap_p2p_comm_warmup_flush", "overlaps warm-up and flush P2P, which needs the overlapped P2P that the "
+         "scaled copy turns off"),
+    ),
+}  # fmt: skip
 # Flags that only set sizes of the full model, replaced by the scaled ones (dest -> flag to name).
 DATA_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
@@ -160,11 +174,13 @@ class Scaler:
                 self.flags[index] = None
             self.touched.add(indices[0])
             self.changes.append(Change(old.flag, " ".join(old.values) or "given", " ".join(new.values) or "given", why))
-            return
-        default = getattr(action.default, "name", action.default)
-        shown = "(not given)" if action.nargs == 0 or default is None else f"(default {default})"
-        self.added.append(new)
-        self.changes.append(Change(option, shown, " ".join(new.values) or "given", why))
+        else:
+            default = getattr(action.default, "name", action.default)
+            shown = "(not given)" if action.nargs == 0 or default is None else f"(default {default})"
+            self.added.append(new)
+            self.changes.append(Change(option, shown, " ".join(new.values) or "given", why))
+        for dest, reason in DEPENDENTS.get(option, ()):
+            self.drop(dest, f"{reason} ({option}: {why})")
 
     def drop(self, dest: str, why: str) -> None:
         for index in self.given(dest):
@@ -252,6 +268,11 @@ def refuse(args: argparse.Namespace) -> None:
             f"--num-experts {args.num_experts}: mixture-of-experts layers are not supported by megatron-zb yet (the W "
             "split covers dense layers only); verify and train dense models"
         )
+    if getattr(args, "multi_latent_attention", False):
+        raise Refused(
+            "--multi-latent-attention: megatron-core's local layer spec, the one a CPU runs, cannot build multi-latent "
+            "attention (it needs Transformer Engine, on a GPU); verify the line without it, or on a GPU"
+        )
     if getattr(args, "yaml_cfg", None):
         raise Refused("--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line")
 
@@ -272,6 +293,14 @@ def _parallel(scaler: Scaler, limits: Limits):
         scaler.set("--context-parallel-size", ["1"], "context parallelism splits the sequence, not the pipeline")
     if getattr(args, "expert_model_parallel_size", 1) > 1:
         scaler.set("--expert-model-parallel-size", ["1"], "no experts in a dense model")
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if instances > 1 and limits.data_parallel % instances:
+        scaler.set(
+            "--num-distributed-optimizer-instances",
+            ["1"],
+            f"the scaled copy runs {limits.data_parallel} data-parallel copies, which {instances} optimizer instances "
+            "cannot split",
+        )
 
     def chunks_of(settings) -> int:
         return settings.placement.num_stages

@@ -63,8 +63,8 @@ def compare(reference: Run, theirs: Run, tolerance: float) -> Verdict:
             first, reason = iteration, "one run skipped the optimizer step (inf/nan gradients) and the other did not"
         if first is None and max(loss, norm) > tolerance:
             first = iteration
-            what = "loss" if loss > tolerance else "grad norm"
-            reason = f"{what} differs by {max(loss, norm):.2e} relative"
+            over = [(what, value) for what, value in (("loss", loss), ("grad norm", norm)) if value > tolerance]
+            reason = " and ".join(f"the {what} differs by {value:.2e} relative" for what, value in over)
     worst_grad, worst_key = None, None
     if reference.grads:
         worst_grad = 0.0

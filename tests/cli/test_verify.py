@@ -47,7 +47,20 @@ def test_a_wrong_gradient_fails_at_its_iteration() -> None:
     with contextlib.redirect_stdout(out):
         code = verify.main(["--verify-iters", "3", *USER.split()], inject_wrong_gradient_at=2)
     assert code == 1, out.getvalue()
-    assert "MISMATCH at iteration 2: grad norm differs by" in out.getvalue(), out.getvalue()
+    assert "MISMATCH at iteration 2: the grad norm differs by" in out.getvalue(), out.getvalue()
+
+
+def test_the_verdict_names_each_quantity_with_its_own_difference() -> None:
+    """A fp32 line's grad norm off by 2e-2 and its loss by 1e-4: each figure goes with its own name."""
+    from megatron_zb.verify.verdict import Run, compare
+
+    reference = Run(losses={1: 1.0, 2: 0.5}, grad_norms={1: 2.0, 2: 1.0})
+    theirs = Run(losses={1: 1.0, 2: 0.50005}, grad_norms={1: 2.0, 2: 1.02})
+    verdict = compare(reference, theirs, 1e-5)
+    assert verdict.first_difference == 2
+    assert verdict.reason == "the loss differs by 1.00e-04 relative and the grad norm differs by 2.00e-02 relative"
+    theirs.losses[2] = 0.5
+    assert compare(reference, theirs, 1e-5).reason == "the grad norm differs by 2.00e-02 relative"
 
 
 def test_refuses_flags_without_a_schedule() -> None:

@@ -194,3 +194,71 @@ def test_scaler_records_what_it_replaces() -> None:
     line, kept = scaler.result()
     assert [str(given) for given in line] == ["--hidden-size 64", "--swiglu"] and kept == ["--swiglu"]
     assert scaler.changes == [scale.Change("--hidden-size", "4096", "64", "small")]
+
+
+def test_a_change_carries_the_flags_that_depend_on_it(tmp_path: Path) -> None:
+    """Flags found on Megatron-LM's functional-test lines that failed after spawn once the scaled copy changed what
+    they need: each goes with its reason, and both runs pass validate_args and megatron-core's TransformerConfig."""
+    argv = [
+        *example("llama3_8b_core_v0.19.0"),
+        *("--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "4"),
+        *("--overlap-p2p-communication-warmup-flush", "--defer-embedding-wgrad-compute"),
+        *("--num-distributed-optimizer-instances", "2", "--error-injection-rate", "10"),
+        "--enable-zero-bubble",
+    ]
+    line = scaled(argv, tmp_path)
+    why = {change.flag: change.why for change in line.changes if change.scaled == "not used"}
+    assert (
+        "--no-gradient-accumulation-fusion: the fused weight-gradient kernel" in why["--defer-embedding-wgrad-compute"]
+    )
+    assert "(--no-overlap-p2p-communication: " in why["--overlap-p2p-communication-warmup-flush"]
+    assert "injects faults on purpose" in why["--error-injection-rate"]
+    assert values(line.argv, "--num-distributed-optimizer-instances") == ["1"]
+    for gone in (
+        "--defer-embedding-wgrad-compute",
+        "--overlap-p2p-communication-warmup-flush",
+        "--error-injection-rate",
+    ):
+        assert gone not in line.argv and gone not in line.reference_argv
+    from megatron_zb.megatron_lm_preflight import validate
+
+    for run in (line.argv, line.reference_argv):
+        validate(PARSER, run, line.processes)
+
+
+def test_what_megatron_cores_config_refuses_is_refused_before_any_process() -> None:
+    """Megatron-LM's validate_args takes it; megatron-core's TransformerConfig (built in every rank) would not."""
+    from megatron_zb.megatron_lm_preflight import validate
+
+    argv = (
+        "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 128 --pipeline-model-parallel-size 2 --eval-iters 0 --eval-interval 10 --train-iters 3 "
+        "--transformer-impl local --no-gradient-accumulation-fusion --defer-embedding-wgrad-compute "
+        "--enable-zero-bubble"
+    ).split()
+    with pytest.raises(ValueError, match="TransformerConfig refuses the line .*Cannot defer embedding wgrad compute"):
+        validate(PARSER, argv, 2)
+
+
+def test_multi_latent_attention_is_refused_by_name() -> None:
+    code, _, err = run_main(
+        ["--", *example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--multi-latent-attention"]
+    )
+    assert code == 2 and "--multi-latent-attention: megatron-core's local layer spec" in err
+
+
+def test_a_bare_assert_in_validate_args_names_its_source_line(tmp_path: Path) -> None:
+    import importlib.util
+
+    from megatron_zb.megatron_lm_preflight import failed_assertion
+
+    source = tmp_path / "arguments.py"  # as Megatron-LM's: a plain module, not rewritten by pytest
+    source.write_text("def validate_args(args):\n    assert args > 1\n")
+    spec = importlib.util.spec_from_file_location("mzb_bare_assert", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(AssertionError) as raised:
+        module.validate_args(0)
+    assert failed_assertion(raised.value) == "assert args > 1 (arguments.py:2)"
+    assert failed_assertion(AssertionError("said why")) == "said why"

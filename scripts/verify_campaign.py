@@ -1,0 +1,166 @@
+"""Every GPT line of Megatron-LM's functional tests through ``megatron-zb verify --megatron-lm``: a table of outcomes.
+
+Each line is a ``model_config.yaml`` of Megatron-LM's functional tests (``../shared/megatron-lm/functional-configs``):
+its MODEL_ARGS become the pretrain_gpt argv (``flag: value``; ``true`` a bare flag, ``false`` left out; ``${VAR}``
+a path in a scratch folder, so data files are missing and verify falls back to mock data), its ENV_VARS the
+environment, and one zero-bubble flag is added. An outcome is one of:
+
+- ``OK``: both runs trained and agree;
+- ``refused``: refused before any process started (exit 2; the reason is quoted);
+- ``mismatch``: both trained and differ (exit 1, MISMATCH);
+- ``failed``: a run failed after its processes started (exit 1);
+- ``timed out``.
+
+Resumable: every outcome is appended to ``--results`` (JSON lines) as it comes, and a second call runs only the
+lines not there yet. ``--table`` writes the Markdown table. ``--sample N`` runs a drawn sample (``--seed``).
+It runs for an hour or more on two cores (30-90 s a line). Example::
+
+    python scripts/verify_campaign.py --megatron-lm ../shared/megatron-lm/core_v0.19.0 \\
+        --results docs/verify_campaign.jsonl --table docs/verify_campaign.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT.parent / "shared" / "megatron-lm" / "functional-configs" / "core_v0.19.0" / "gpt"
+TWINS = ("_1node", "_gb200")  # the same line on other cluster sizes
+OUTCOMES = ("OK", "refused", "mismatch", "failed", "timed out")
+PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Line:
+    name: str
+    argv: list[str]
+    environment: dict[str, str]
+
+
+def lines(configs: Path) -> list[Line]:
+    """The lines of every ``<name>/model_config.yaml`` under ``configs``, the cluster-size twins left out."""
+    import yaml
+
+    found = []
+    scratch = Path(tempfile.gettempdir()) / "megatron-zb-campaign"
+    for config in sorted(configs.glob("*/model_config.yaml")):
+        name = config.parent.name
+        if any(twin in name for twin in TWINS):
+            continue
+        data = yaml.safe_load(config.read_text()) or {}
+        argv = []
+        for flag, value in (data.get("MODEL_ARGS") or {}).items():
+            if value is False or value is None:
+                continue
+            argv.append(flag)
+            if value is True:
+                continue
+            values = value if isinstance(value, list) else shlex.split(str(value))
+            argv += [PLACEHOLDER.sub(lambda match: str(scratch / match.group(1)), str(item)) for item in values]
+        environment = {key: str(value) for key, value in (data.get("ENV_VARS") or {}).items()}
+        found.append(Line(name, argv, environment))
+    return found
+
+
+def run(line: Line, checkout: str | None, flag: list[str], timeout_s: float) -> dict:
+    """One verify of ``line`` with ``flag`` added: its outcome, the sentence that says why, and its time."""
+    command = [sys.executable, "-m", "megatron_zb", "verify"]
+    command += ["--megatron-lm", checkout] if checkout else []
+    command += ["--", *line.argv, *flag]
+    environment = {**os.environ, **line.environment}
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "timed out", "why": f"no verdict after {timeout_s:.0f} s", "seconds": timeout_s}
+    seconds = round(time.monotonic() - start, 1)
+    outcome, why = classify(done.returncode, done.stdout, done.stderr)
+    return {"outcome": outcome, "why": why, "seconds": seconds}
+
+
+def classify(code: int, out: str, err: str) -> tuple[str, str]:
+    """(outcome, the line that says why) of one verify."""
+    said = [line for line in (out + "\n" + err).splitlines() if line.strip()]
+    if code == 0 and any(line.startswith("OK: ") for line in said):
+        return "OK", next(line for line in said if line.startswith("OK: "))
+    if code == 2:
+        errors = [line for line in said if "error:" in line]
+        return "refused", (errors or said or ["(nothing said)"])[-1].split("error: ", 1)[-1]
+    mismatch = [line for line in said if line.startswith("MISMATCH")]
+    if mismatch:
+        return "mismatch", mismatch[-1]
+    failed = [line.split("verify: ", 1)[-1] for line in said if "failed" in line and "run with" in line]
+    last = [line for line in err.splitlines() if line.strip()]
+    return "failed", " / ".join([*failed[-1:], *last[-1:]]) or f"exit status {code}"
+
+
+def table(results: dict[str, dict]) -> str:
+    counts = {outcome: sum(row["outcome"] == outcome for row in results.values()) for outcome in OUTCOMES}
+    head = ", ".join(f"{count} {outcome}" for outcome, count in counts.items() if count)
+    rows = [f"{len(results)} lines: {head}.", "", "| line | flag | outcome | why | s |", "|---|---|---|---|---|"]
+    for name in sorted(results):
+        row = results[name]
+        why = row["why"].replace("|", "\\|")
+        why = why if len(why) <= 300 else why[:297] + "..."
+        rows.append(f"| {name} | `{row['flag']}` | {row['outcome']} | {why} | {row['seconds']:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+def read_results(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    return {row["line"]: row for row in map(json.loads, path.read_text().splitlines()) if row}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--configs", type=Path, default=CONFIGS, help="folder of <line>/model_config.yaml")
+    parser.add_argument("--megatron-lm", default=None, metavar="PATH", help="the checkout verify runs (its own flag)")
+    parser.add_argument("--flag", default="--enable-zero-bubble", help="the zero-bubble flag(s) added to every line")
+    parser.add_argument("--results", type=Path, required=True, help="JSON lines, appended to and resumed from")
+    parser.add_argument("--table", type=Path, default=None, help="write the Markdown table here")
+    parser.add_argument("--sample", type=int, default=None, help="run only this many lines, drawn with --seed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="*", default=None, metavar="LINE", help="run only these lines")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per verify (default 900)")
+    options = parser.parse_args(argv)
+    every = lines(options.configs)
+    if not every:
+        parser.error(f"no model_config.yaml under {options.configs}")
+    chosen = [line for line in every if options.only is None or line.name in options.only]
+    if options.sample is not None:
+        chosen = random.Random(options.seed).sample(chosen, min(options.sample, len(chosen)))
+    results = read_results(options.results)
+    for number, line in enumerate(chosen, 1):
+        if line.name in results:
+            continue
+        found = {
+            "line": line.name,
+            "flag": options.flag,
+            **run(line, options.megatron_lm, options.flag.split(), options.timeout),
+        }
+        results[line.name] = found
+        with options.results.open("a") as file:
+            file.write(json.dumps(found) + "\n")
+        print(
+            f"[{number}/{len(chosen)}] {line.name}: {found['outcome']} ({found['seconds']:.0f} s) {found['why']}",
+            flush=True,
+        )
+    if options.table is not None:
+        options.table.write_text(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
