@@ -88,10 +88,22 @@ def enable() -> None:
         # megatron-core 0.19's DDP start_grad_sync waits on the current stream's events: CPU's no-op stream.
         patching.replace(cuda, "current_stream", torch.cpu.current_stream, patching.CPU)
         patching.replace(torch.Tensor, "type", _cuda_type_names(torch.Tensor.type), patching.CPU)
+        # Activation recomputation saves and restores the CUDA generator's state with the CPU's: none on CPU
+        # (the CPU state, which CPU dropout draws from, is still saved and replayed).
+        patching.replace(random, "_get_cuda_rng_state", _no_cuda_rng_state, patching.CPU)
+        patching.replace(random, "_set_cuda_rng_state", _set_no_cuda_rng_state, patching.CPU)
         _mode = patching.enter_mode(_CudaToCpu(), patching.CPU)
         for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
             patching.remember(random, name, patching.CPU)  # reset below and on every model-parallel seed
     reset_rng_tracker()
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
 
 
 def disable() -> None:

@@ -37,6 +37,8 @@ MODEL = (
     "--attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 10 --seed 1234 --clip-grad 0.05"
 )
 SAME_INIT = "--zero-bubble-placement-independent-init"
+DROPOUT = "--hidden-dropout 0.1 --attention-dropout 0.1"
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 CASES = {
     "1f1b": "",  # megatron-core's own schedule: the reference
     "zb-1p": "--enable-zero-bubble",
@@ -47,6 +49,11 @@ CASES = {
     "zb-v": f"--zero-bubble-v-schedule {SAME_INIT}",
     "v-min": f"--pipeline-schedule v-min {SAME_INIT}",
     "zb-v-post-validation": f"--zero-bubble-v-schedule --enable-optimizer-post-validation {SAME_INIT}",
+    # activation recomputation with the B/W split: the recomputed forward's linears defer their W as the plain
+    # forward's do, and the replayed dropout masks are the ones drawn in the forward (CPU generator state)
+    "1f1b-dropout": DROPOUT,
+    "zb-2p-recompute": f"{DROPOUT} --enable-zero-bubble --zero-bubble-max-pending-backward 4 {RECOMPUTE}",
+    "zb-v-selective-recompute": f"--zero-bubble-v-schedule --recompute-granularity selective {SAME_INIT}",
     # tensor parallelism: rank 0's loss chunk needs labels on both tensor-parallel ranks
     "1f1b-tp2": f"--tensor-model-parallel-size 2 {SAME_INIT}",
     "zb-v-tp2": f"--tensor-model-parallel-size 2 --zero-bubble-v-schedule {SAME_INIT}",
@@ -100,6 +107,14 @@ def test_v_losses_equal_megatron_cores_1f1b_from_the_same_weights(tmp: Path, cas
     assert sorted(reference) == list(range(1, ITERATIONS + 1))
     assert reference[ITERATIONS] < reference[1]
     assert_close(trained(case, tmp), reference)
+
+
+def test_recomputation_with_the_backward_split_equals_megatron_cores_1f1b(tmp: Path) -> None:
+    """Full recomputation with dropout on (a linear order draws the masks in 1F1B's order), and selective
+    recomputation under zb-v (dropout 0: a V draws them in another order)."""
+    assert_close(trained("zb-2p-recompute", tmp), trained("1f1b-dropout", tmp))
+    assert trained("1f1b-dropout", tmp) != trained("1f1b", tmp)  # the dropout is drawn
+    assert_close(trained("zb-v-selective-recompute", tmp), trained("1f1b-same-init", tmp))
 
 
 def test_v_with_tensor_parallelism_equals_megatron_cores_1f1b(tmp: Path) -> None:
