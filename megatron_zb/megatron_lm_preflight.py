@@ -120,6 +120,7 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
             "checkout with --megatron-lm PATH"
             for feature in refused_features(args)
         ]
+    refusals += _missing_async_saver(args)
     if refusals:
         raise ValueError("; ".join(refusals))
     additions = cpu_additions(flags, parser)
@@ -140,6 +141,19 @@ def unset_te_attention() -> str | None:
         f"unset {', '.join(found)} (Transformer Engine's choice of attention kernel: a CPU runs megatron-core's own "
         "attention, whose check of these against --attention-backend would stop every rank)"
     )
+
+
+def _missing_async_saver(args: argparse.Namespace) -> list[str]:
+    """``--async-save`` through nvidia-resiliency-ext (Megatron-LM 0.19's default strategy) where it is not installed:
+    every rank would fail at its first save."""
+    if not getattr(args, "async_save", False) or getattr(args, "async_strategy", None) != "nvrx":
+        return []
+    if importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+        return []
+    return [
+        "--async-save: Megatron-LM saves asynchronously through nvidia-resiliency-ext (--async-strategy nvrx, the "
+        "default), which is not installed here; install it, give --async-strategy mcore, or leave --async-save out"
+    ]
 
 
 def _gpu_only(dest: str, flags: Sequence[Given]) -> str | None:

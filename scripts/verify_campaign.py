@@ -26,7 +26,6 @@ import json
 import os
 import random
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ CONFIGS = ROOT.parent / "shared" / "megatron-lm" / "functional-configs" / "core_
 TWINS = ("_1node", "_gb200")  # the same line on other cluster sizes
 OUTCOMES = ("OK", "refused", "mismatch", "failed", "timed out")
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+NUMBERS = ("REPEAT",)  # placeholders the runner fills with a number, not a path
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,16 @@ def lines(configs: Path) -> list[Line]:
             argv.append(flag)
             if value is True:
                 continue
-            values = value if isinstance(value, list) else shlex.split(str(value))
-            argv += [PLACEHOLDER.sub(lambda match: str(scratch / match.group(1)), str(item)) for item in values]
+            values = value if isinstance(value, list) else [value]  # a string is one word, as the runner quotes it
+            argv += [PLACEHOLDER.sub(lambda match: _filled(match.group(1), scratch), str(item)) for item in values]
         environment = {key: str(value) for key, value in (data.get("ENV_VARS") or {}).items()}
         found.append(Line(name, argv, environment))
     return found
+
+
+def _filled(name: str, scratch: Path) -> str:
+    """What the test runner puts for ``${name}``: the repeat number, else a path (here in a scratch folder)."""
+    return "1" if name in NUMBERS else str(scratch / name)
 
 
 def run(line: Line, checkout: str | None, flag: list[str], timeout_s: float) -> dict:

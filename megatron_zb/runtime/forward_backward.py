@@ -163,7 +163,7 @@ class ForwardBackward:
         refuse_unsupported(config, models[0])
         groups = process_groups(pg_collection)
         schedule = self._schedule_for_models(groups, num_microbatches, models)
-        backend = self.last_backend = backend_for(config, models)
+        backend = self.last_backend = backend_for(config, models, forward_only)
         setting = self._setting(groups.pp.size(), num_microbatches, len(models) if len(models) > 1 else None)
         run = self._plans.run_plan(setting, backend.lowering, groups.pp, self.costs)
         if schedule.shared:

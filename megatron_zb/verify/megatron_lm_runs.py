@@ -75,10 +75,19 @@ def read_metrics(path: Path) -> Run:
 
 
 def _tail(log: Path, lines: int = 40) -> str:
-    """The end of a run's log, without Megatron-LM's argument dump and warnings."""
+    """What says why a run failed: the launcher's report of the first rank that failed or stalled (with its
+    traceback), else the end of the log; without Megatron-LM's argument dump and warnings either way. The other
+    ranks go on printing after one failed, so the end of the log need not hold the cause."""
     text = [
         line
         for line in log.read_text(errors="replace").splitlines()
         if " ..." not in line and "Warning" not in line and "warnings.warn" not in line
     ]
+    reports = [
+        index
+        for index, line in enumerate(text)
+        if line.startswith(("megatron-zb train: rank ", "megatron-zb train: timeout"))
+    ]
+    if reports:
+        return "\n".join(text[reports[0] : reports[0] + 2 * lines])
     return "\n".join(text[-lines:])

@@ -83,6 +83,9 @@ NOT_USED = {
     "error_injection_rate": "injects faults on purpose (Megatron-LM's test of its re-run machinery: a run with an "
     "injected fault checkpoints and exits); verify compares two undisturbed runs",
     "error_injection_type": "no faults are injected (see --error-injection-rate)",
+    "async_save": "the scaled copy saves once, at the end, and synchronously (an asynchronous save needs helper "
+    "processes and, on Megatron-LM 0.19, nvidia-resiliency-ext; the schedule comparison does not depend on it)",
+    "use_persistent_ckpt_worker": "goes with --async-save, which the scaled copy leaves out",
 }
 # A flag the scaled copy sets -> the flags that need it otherwise, dropped with it (dest, why)
 DEPENDENTS = {
@@ -428,8 +431,13 @@ def _data(scaler: Scaler, limits: Limits) -> None:
     missing = _missing_data_files(args)
     if args.mock_data or missing:
         why = f"not found here: {', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}; mock data instead"
-        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path", *DATA_FILES):
+        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
             scaler.drop(dest, why)
+        mock = "the line's mock data" if args.mock_data else "the mock data that replaces the missing data files"
+        for dest in DATA_FILES:
+            path = getattr(args, dest, None)
+            found = "found" if path and os.path.exists(path) else "not found here"
+            scaler.drop(dest, f"{path}: {found}; {mock} runs with NullTokenizer")
         if not args.mock_data:
             scaler.set("--mock-data", None, why)
         scaler.set("--tokenizer-type", ["NullTokenizer"], "mock data's tokenizer: ids 0 .. vocab size")

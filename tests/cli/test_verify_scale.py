@@ -112,6 +112,8 @@ def test_gpt3_example_maps_its_parallel_sizes_onto_four_processes(tmp_path: Path
     # missing data files: mock data, and the reason names the file
     why = next(change.why for change in line.changes if change.flag == "--data-path")
     assert "/data/my-gpt3_00_text_document.bin" in why and "--mock-data" in line.argv
+    vocab = next(change for change in line.changes if change.flag == "--vocab-file")
+    assert vocab.why.startswith(f"{vocab.given}: not found here; the mock data") and ".bin" not in vocab.why
     assert values(line.argv, "--initial-loss-scale") == [str(scale.FP16_START_SCALE)]
     from megatron_zb.megatron_lm_preflight import validate
 

@@ -514,6 +514,14 @@ def test_megatron_ddp_backend_calls_megatron_hooks_once_per_iteration():
     once = [("param", 0, 2), ("param", 1, 2), ("grad", 1, 2), ("grad", 0, 2)]
     assert calls == once + once
     assert [chunk.grad_syncs for chunk in chunks] == [0, 0], "grad_sync_func set: megatron-core's hook, not DDP's"
+    # evaluation (forward only) gathers nothing, as megatron-core's schedules: Megatron-LM's evaluate() turns the
+    # pre-hooks that would wait for a gather off, and a gather left pending failed the next one (test-set eval)
+    calls.clear()
+    evaluation = backend_for(config, chunks, forward_only=True)
+    for chunk in (0, 1):
+        evaluation.unshard(chunk).wait()
+    evaluation.finish()
+    assert calls == []
 
 
 @pytest.mark.parametrize("overlap", [True, False])

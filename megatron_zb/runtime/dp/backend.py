@@ -60,8 +60,9 @@ class DataParallelBackend(Protocol):
         """End of the iteration: wait for reductions, check every action was matched, reset."""
 
 
-def backend_for(config, models: Sequence[torch.nn.Module]) -> DataParallelBackend:
-    """The backend for these model chunks: FSDP2 when they are sharded with it, megatron-core DDP otherwise."""
+def backend_for(config, models: Sequence[torch.nn.Module], forward_only: bool = False) -> DataParallelBackend:
+    """The backend for these model chunks: FSDP2 when they are sharded with it, megatron-core DDP otherwise
+    (which gathers no parameters for a forward-only call, as megatron-core's schedules)."""
     from .fsdp2 import FSDP2Backend, is_fsdp2_sharded
 
     sharded = [is_fsdp2_sharded(model) for model in models]
@@ -75,4 +76,4 @@ def backend_for(config, models: Sequence[torch.nn.Module]) -> DataParallelBacken
         )
     from .megatron_ddp import MegatronDDPBackend
 
-    return MegatronDDPBackend(config, models)
+    return MegatronDDPBackend(config, models, forward_only)

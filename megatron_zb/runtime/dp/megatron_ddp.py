@@ -26,9 +26,13 @@ def _per_chunk(hook, chunk: int):
 class MegatronDDPBackend:
     """ZeRO-1/2 and plain data parallelism through megatron-core's DDP chunks and config hooks."""
 
-    def __init__(self, config, models: Sequence[torch.nn.Module]):
+    def __init__(self, config, models: Sequence[torch.nn.Module], forward_only: bool = False):
         self.config = config
         self.models = list(models)
+        # Forward-only (evaluation) gathers no parameters, as megatron-core's schedules drop param_sync_func then:
+        # Megatron-LM's evaluate() turns off the forward pre-hooks that would wait for the gather, and a gather
+        # left pending fails the next one (param_and_grad_buffer: assert self.param_gather_handle is None).
+        self.forward_only = forward_only
         # With --overlap-param-gather, each chunk's parameter all-gather before its first pass.
         self.lowering = DataParallel(gather="once" if config.param_sync_func is not None else "none")
         self._param_synced: set[int] = set()
@@ -38,7 +42,7 @@ class MegatronDDPBackend:
     def unshard(self, chunk: int) -> Handle:
         # The distributed optimizer's all-gather of updated parameters, once per iteration: a
         # chunk gathered again later in the iteration (breadth-first's backward window) already has them.
-        sync = self.config.param_sync_func
+        sync = None if self.forward_only else self.config.param_sync_func
         if sync is not None and chunk not in self._param_synced:
             _per_chunk(sync, chunk)(self.models[chunk].parameters())
         self._param_synced.add(chunk)
