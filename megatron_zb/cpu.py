@@ -11,6 +11,7 @@ recorded in ``megatron_zb.megatron.patching`` (scope ``cpu``), the function mode
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 import threading
 
@@ -92,10 +93,21 @@ def enable() -> None:
         # (the CPU state, which CPU dropout draws from, is still saved and replayed).
         patching.replace(random, "_get_cuda_rng_state", _no_cuda_rng_state, patching.CPU)
         patching.replace(random, "_set_cuda_rng_state", _set_no_cuda_rng_state, patching.CPU)
+        # The causal mask megatron-core builds with device="cuda" when no mask is given: the mode below maps it to
+        # the CPU, but not where activation recomputation builds the forward again, inside autograd's backward.
+        importlib.import_module("megatron.core.fusions.fused_softmax")
+        utils = importlib.import_module("megatron.core.transformer.utils")
+        patching.replace_everywhere(
+            utils.get_default_causal_mask, _causal_mask, "get_default_causal_mask", patching.CPU
+        )
         _mode = patching.enter_mode(_CudaToCpu(), patching.CPU)
         for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
             patching.remember(random, name, patching.CPU)  # reset below and on every model-parallel seed
     reset_rng_tracker()
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
 def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:

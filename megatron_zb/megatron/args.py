@@ -154,6 +154,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "same model (e.g. zb-v against megatron-core's 1F1B); works with megatron-core's schedules too "
         "(megatron-zb train always initialises this way)",
     )
+    group.add_argument(
+        "--zero-bubble-order-independent-dropout",
+        action="store_true",
+        help="draw every layer's dropout masks from (--seed, the microbatch's forward, the layer's number) instead of "
+        "each rank's stream in the order it runs forwards, so that any schedule, re-plan or pipeline split draws the "
+        "same masks (e.g. zb-v against megatron-core's 1F1B); works with megatron-core's schedules too",
+    )
     return parser
 
 

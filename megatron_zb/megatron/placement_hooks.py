@@ -219,7 +219,8 @@ def prepare_chunks(chunks: list) -> None:
     """Before Megatron-LM builds the optimizer: what its model building leaves undone for the placement.
 
     With ``--zero-bubble-placement-independent-init`` every parameter is first re-drawn from
-    (``--seed``, its name in the unpipelined model), whatever the placement and schedule.
+    (``--seed``, its name in the unpipelined model), whatever the placement and schedule; with
+    ``--zero-bubble-order-independent-dropout`` the dropout masks are keyed likewise (``dropout_keys``).
     """
     from .install import megatron_lm_args
 
@@ -228,6 +229,10 @@ def prepare_chunks(chunks: list) -> None:
         from .init import placement_independent_init
 
         placement_independent_init(chunks, _config_of(chunks[0]), args.seed)
+    if chunks and args is not None and getattr(args, "zero_bubble_order_independent_dropout", False):
+        from .dropout_keys import install
+
+        install(chunks, args.seed)
     placement = chunks_placement(chunks)
     if placement is None:
         return

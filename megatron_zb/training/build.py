@@ -173,6 +173,10 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
         for placement in args.placements:  # each pipe's chunks, after the pipes before it
             fix_float16_output_cast(chunks[offset : offset + placement.chunks], placement, rank)
             offset += placement.chunks
+    if getattr(args, "zero_bubble_order_independent_dropout", False):
+        from ..megatron.dropout_keys import install
+
+        install(chunks, args.seed)
     if args.use_torch_fsdp2:
         return _build_zero3(args, config, chunks, device)
     ddp_config = DistributedDataParallelConfig(

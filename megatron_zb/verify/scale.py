@@ -31,6 +31,7 @@ MOCK_VOCAB = 100
 FP16_START_SCALE = 2**12
 STALL_MINUTES = 5
 SAME_INIT = "--zero-bubble-placement-independent-init"
+KEYED_DROPOUT = "--zero-bubble-order-independent-dropout"
 # dest -> why a CPU run leaves the flag out (GPU-only features; the math around them runs as given)
 GPU_ONLY = {
     "use_flash_attn": "flash attention is a CUDA kernel; megatron-core's local attention computes the same",
@@ -368,6 +369,14 @@ def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
         ratio = args.ffn_hidden_size / args.hidden_size
         ffn = max(2 * tp, round(ratio * hidden / (2 * tp)) * 2 * tp)
         scaler.set("--ffn-hidden-size", [str(ffn)], f"keeps the FFN-to-hidden ratio of {ratio:.3g}")
+    elif args.swiglu and int(4 * hidden * 2 / 3 / 64) == 0:
+        ffn = max(2 * tp, round(8 / 3 * hidden / (2 * tp)) * 2 * tp)
+        scaler.set(
+            "--ffn-hidden-size",
+            [str(ffn)],
+            "keeps SwiGLU's default ratio of 8/3 (Megatron-LM rounds that down to a multiple of 64: 0 at the scaled "
+            f"hidden size {hidden}, an MLP with no units)",
+        )
     scaler.set("--seq-length", [str(SEQUENCE)], "a short sequence: the schedule does not depend on its length")
     if args.max_position_embeddings is not None:
         scaler.set("--max-position-embeddings", [str(SEQUENCE)], "the scaled sequence length")
@@ -524,14 +533,22 @@ def _zero_bubble(scaler: Scaler, pp: int, limits: Limits) -> None:
     if getattr(args, "zero_bubble_save_costs", None):
         scaler.set("--zero-bubble-save-costs", [str(limits.folder / "costs.json")], "verify writes only in its folder")
     scaler.set(SAME_INIT, None, "both runs draw every weight from the seed and its name, whatever the placement")
+    if args.hidden_dropout or args.attention_dropout:
+        scaler.set(
+            KEYED_DROPOUT,
+            None,
+            "both runs draw each layer's dropout masks from the seed, the microbatch and the layer, whatever order "
+            "the schedule runs the microbatches in",
+        )
 
 
 _SAVES = frozenset({"save", "save_interval"})
 
 
 def _selects_schedule(given: Given) -> bool:
-    """Flags of megatron-zb's group other than the shared initialisation: dropped for megatron-core's run."""
-    return given.dest in _zero_bubble_dests() and flag_of(given.action) != SAME_INIT
+    """Flags of megatron-zb's group other than the shared initialisation and dropout: dropped for megatron-core's
+    run."""
+    return given.dest in _zero_bubble_dests() and flag_of(given.action) not in (SAME_INIT, KEYED_DROPOUT)
 
 
 @functools.cache

@@ -264,3 +264,17 @@ def test_a_bare_assert_in_validate_args_names_its_source_line(tmp_path: Path) ->
         module.validate_args(0)
     assert failed_assertion(raised.value) == "assert args > 1 (arguments.py:2)"
     assert failed_assertion(AssertionError("said why")) == "said why"
+
+
+def test_swiglu_without_an_ffn_size_keeps_its_ratio(tmp_path: Path) -> None:
+    """Megatron-LM's SwiGLU default (8/3 of the hidden size, rounded down to a multiple of 64) is 0 at the scaled
+    size: a degenerate MLP that megatron-core trains and the W split cannot (found on ..._resume_torch_dist_swiglu)."""
+    argv = [token for token in example("gpt3_175b_core_v0.19.0") if token != "--step-batch-size-schedule"]
+    argv = [token for token in argv if ":" not in token or token.startswith("/")]  # its batch schedule's values
+    line = scaled([*argv, "--swiglu", "--tensor-model-parallel-size", "1", "--enable-zero-bubble"], tmp_path)
+    assert values(line.argv, "--hidden-size") == ["16"] and values(line.argv, "--ffn-hidden-size") == ["42"]
+    why = next(change.why for change in line.changes if change.flag == "--ffn-hidden-size")
+    assert "8/3" in why and "0 at the scaled hidden size 16" in why
+    llama = [token for token in example("llama3_8b_core_v0.19.0") if token not in ("--ffn-hidden-size", "14336")]
+    line = scaled([*llama, "--enable-zero-bubble"], tmp_path)  # hidden 64: Megatron-LM's own 128 stands
+    assert values(line.argv, "--ffn-hidden-size") is None

@@ -39,6 +39,8 @@ MODEL = (
 SAME_INIT = "--zero-bubble-placement-independent-init"
 DROPOUT = "--hidden-dropout 0.1 --attention-dropout 0.1"
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+SELECTIVE = "--recompute-granularity selective"
+KEYED = "--zero-bubble-order-independent-dropout"
 CASES = {
     "1f1b": "",  # megatron-core's own schedule: the reference
     "zb-1p": "--enable-zero-bubble",
@@ -52,8 +54,11 @@ CASES = {
     # activation recomputation with the B/W split: the recomputed forward's linears defer their W as the plain
     # forward's do, and the replayed dropout masks are the ones drawn in the forward (CPU generator state)
     "1f1b-dropout": DROPOUT,
-    "zb-2p-recompute": f"{DROPOUT} --enable-zero-bubble --zero-bubble-max-pending-backward 4 {RECOMPUTE}",
-    "zb-v-selective-recompute": f"--zero-bubble-v-schedule --recompute-granularity selective {SAME_INIT}",
+    "zb-2p-recompute": f"{DROPOUT} --enable-zero-bubble --zero-bubble-max-pending-backward 4 {SELECTIVE}",
+    # dropout drawn from (seed, forward, layer): a V, whose rank 0 holds the first and the last layer, draws 1F1B's
+    # masks, and full recomputation replays them
+    "1f1b-keyed-dropout": f"{DROPOUT} {KEYED} {SAME_INIT}",
+    "zb-v-keyed-dropout-recompute": f"--zero-bubble-v-schedule {DROPOUT} {KEYED} {SAME_INIT} {RECOMPUTE}",
     # tensor parallelism: rank 0's loss chunk needs labels on both tensor-parallel ranks
     "1f1b-tp2": f"--tensor-model-parallel-size 2 {SAME_INIT}",
     "zb-v-tp2": f"--tensor-model-parallel-size 2 --zero-bubble-v-schedule {SAME_INIT}",
@@ -109,12 +114,12 @@ def test_v_losses_equal_megatron_cores_1f1b_from_the_same_weights(tmp: Path, cas
     assert_close(trained(case, tmp), reference)
 
 
-def test_recomputation_with_the_backward_split_equals_megatron_cores_1f1b(tmp: Path) -> None:
-    """Full recomputation with dropout on (a linear order draws the masks in 1F1B's order), and selective
-    recomputation under zb-v (dropout 0: a V draws them in another order)."""
+def test_recomputation_and_dropout_with_the_backward_split_equal_megatron_cores_1f1b(tmp: Path) -> None:
+    """zb-2p with selective recomputation and dropout as Megatron-LM draws it (a linear order draws 1F1B's masks);
+    zb-v with full recomputation and order-independent dropout, against 1F1B with the same dropout keys."""
     assert_close(trained("zb-2p-recompute", tmp), trained("1f1b-dropout", tmp))
     assert trained("1f1b-dropout", tmp) != trained("1f1b", tmp)  # the dropout is drawn
-    assert_close(trained("zb-v-selective-recompute", tmp), trained("1f1b-same-init", tmp))
+    assert_close(trained("zb-v-keyed-dropout-recompute", tmp), trained("1f1b-keyed-dropout", tmp))
 
 
 def test_v_with_tensor_parallelism_equals_megatron_cores_1f1b(tmp: Path) -> None:
