@@ -406,7 +406,18 @@ def _batch(scaler: Scaler, pp: int, limits: Limits) -> None:
         )
         if not scaler.has("global_batch_size"):
             return  # the step schedule sets it (Megatron-LM refuses both, as on your line when it gives both)
-    scaler.set("--global-batch-size", [str(full)], f"{2 * pp} microbatches per iteration: the steady state")
+    count, why = 2 * pp, f"{2 * pp} microbatches per iteration: the steady state"
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    if group and _virtual_chunks(args) > 1:
+        while count % group and count % group < pp:  # megatron-core's interleaved schedule refuses such a remainder
+            count += 1
+        if count != 2 * pp:
+            why = (
+                f"{count} microbatches per iteration: the fewest from {2 * pp} on that megatron-core's interleaved "
+                f"schedule takes in groups of {group} (--microbatch-group-size-per-virtual-pipeline-stage) at "
+                f"pipeline size {pp}"
+            )
+    scaler.set("--global-batch-size", [str(micro * dp * count)], why)
 
 
 def _iterations(scaler: Scaler, limits: Limits) -> None:

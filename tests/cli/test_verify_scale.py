@@ -206,9 +206,11 @@ def test_a_change_carries_the_flags_that_depend_on_it(tmp_path: Path) -> None:
         *("--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "4"),
         *("--overlap-p2p-communication-warmup-flush", "--defer-embedding-wgrad-compute"),
         *("--num-distributed-optimizer-instances", "2", "--error-injection-rate", "10"),
-        "--enable-zero-bubble",
+        *("--microbatch-group-size-per-virtual-pipeline-stage", "5", "--enable-zero-bubble"),
     ]
     line = scaled(argv, tmp_path)
+    # 8 microbatches leave 3 in groups of 5 at pp 4, which megatron-core's interleaved schedule refuses: 9
+    assert values(line.argv, "--global-batch-size") == [str(9 * int(values(line.argv, "--micro-batch-size")[0]))]
     why = {change.flag: change.why for change in line.changes if change.scaled == "not used"}
     assert (
         "--no-gradient-accumulation-fusion: the fused weight-gradient kernel" in why["--defer-embedding-wgrad-compute"]
