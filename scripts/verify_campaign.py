@@ -66,11 +66,20 @@ def lines(configs: Path) -> list[Line]:
             argv.append(flag)
             if value is True:
                 continue
-            values = value if isinstance(value, list) else [value]  # a string is one word, as the runner quotes it
+            values = value if isinstance(value, list) else _words(value)
             argv += [PLACEHOLDER.sub(lambda match: _filled(match.group(1), scratch), str(item)) for item in values]
         environment = {key: str(value) for key, value in (data.get("ENV_VARS") or {}).items()}
         found.append(Line(name, argv, environment))
     return found
+
+
+def _words(value: object) -> list[object]:
+    """A value as the runner passes it: one word, or several numbers ("2 2", "[2 2]") for a flag that takes a list."""
+    text = str(value).strip()
+    numbers = text.strip("[]").replace(",", " ").split()
+    if " " in text and all(re.fullmatch(r"-?[\d.]+(e-?\d+)?", number) for number in numbers):
+        return numbers
+    return [value]
 
 
 def _filled(name: str, scratch: Path) -> str:

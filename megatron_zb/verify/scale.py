@@ -98,6 +98,11 @@ DEPENDENTS = {
         ("overlap_p2p_comm_warmup_flush", "overlaps warm-up and flush P2P, which needs the overlapped P2P that the "
          "scaled copy turns off"),
     ),
+    "--mock-data": (
+        ("fim_data", "fill-in-the-middle samples are cut from real documents; mock data has none"),
+        ("fim_rate", "no fill-in-the-middle samples with mock data"),
+        ("fim_spm_rate", "no fill-in-the-middle samples with mock data"),
+    ),
 }  # fmt: skip
 # Flags that only set sizes of the full model, replaced by the scaled ones (dest -> flag to name).
 DATA_FILES = ("vocab_file", "merge_file", "tokenizer_model")
@@ -276,6 +281,13 @@ def refuse(args: argparse.Namespace) -> None:
         raise Refused(
             "--multi-latent-attention: megatron-core's local layer spec, the one a CPU runs, cannot build multi-latent "
             "attention (it needs Transformer Engine, on a GPU); verify the line without it, or on a GPU"
+        )
+    if getattr(args, "use_torch_fsdp2", False):
+        raise Refused(
+            "--use-torch-fsdp2: Megatron-LM runs torch FSDP2 without pipeline parallelism only, and a pipeline "
+            "schedule needs a pipeline: there is no zero-bubble schedule to compare (megatron-zb's own ZeRO-3 with a "
+            "pipeline: "
+            "`megatron-zb train --use-torch-fsdp2 --pipeline-schedule breadth-first-zb`)"
         )
     if getattr(args, "yaml_cfg", None):
         raise Refused("--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line")

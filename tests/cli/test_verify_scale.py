@@ -280,3 +280,17 @@ def test_swiglu_without_an_ffn_size_keeps_its_ratio(tmp_path: Path) -> None:
     llama = [token for token in example("llama3_8b_core_v0.19.0") if token not in ("--ffn-hidden-size", "14336")]
     line = scaled([*llama, "--enable-zero-bubble"], tmp_path)  # hidden 64: Megatron-LM's own 128 stands
     assert values(line.argv, "--ffn-hidden-size") is None
+
+
+@since_0_17
+def test_mock_data_carries_the_fill_in_the_middle_flags_with_it(tmp_path: Path) -> None:
+    argv = [*example("gpt3_175b_core_v0.16.1"), "--fim-data", "--fim-rate", "0.5", "--enable-zero-bubble"]
+    line = scaled(argv, tmp_path)
+    why = {change.flag: change.why for change in line.changes if change.scaled == "not used"}
+    assert "--mock-data" in line.argv and "--fim-data" not in line.argv and "--fim-rate" not in line.argv
+    assert why["--fim-data"].startswith("fill-in-the-middle samples are cut from real documents")
+
+
+def test_torch_fsdp2_is_refused_with_its_reason() -> None:
+    code, _, err = run_main(["--", *example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--use-torch-fsdp2"])
+    assert code == 2 and "--use-torch-fsdp2: Megatron-LM runs torch FSDP2 without pipeline parallelism only" in err
