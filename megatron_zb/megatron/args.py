@@ -18,6 +18,7 @@ from ..schedule.placement import Placement
 from ..schedule.registry import get, with_option
 from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
 from .layer_split import layers_per_block
+from .placement_hooks import MEGATRON_LAYOUT_FLAGS, foreign_placement
 
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
 # Schedule-core option names, as a Megatron user knows them.
@@ -263,7 +264,9 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
             f"they group the microbatches of {', '.join(_breadth_first_schedules())}"
         )
     pad = bool(getattr(args, "allow_padding_num_layers", False))
-    layers = None if pad else args.num_layers  # ``auto`` weighs only placements whose blocks split them
+    layout = _megatron_layout_flags(args)
+    # ``auto`` weighs only placements whose blocks split the layers; Megatron-LM's layout flags split them itself
+    layers = None if pad or layout else args.num_layers
     try:
         spec = ScheduleSpec(
             pp,
@@ -279,7 +282,8 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         schedule = build_schedule(name, spec)
     except ScheduleError as error:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
-    check_layers(args.num_layers, schedule, pad)
+    if not layout or foreign_placement(schedule.placement) is not None:  # else Megatron-LM's validate_args checks
+        check_layers(args.num_layers, schedule, pad)
     if schedule.shared and post_validation:
         raise ValueError(
             f"--pipeline-schedule {name} keeps two copies of each block, whose gradients are summed inside the "
@@ -444,7 +448,10 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
 
 def virtual_chunks(args: argparse.Namespace) -> int | None:
     """Chunks per rank the virtual-pipeline flags ask for (None: not given); ValueError when they do not split."""
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    # Megatron-LM's newer name for it; its validate_args copies it into virtual_pipeline_model_parallel_size
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or getattr(
+        args, "num_virtual_stages_per_pipeline_rank", None
+    )
     per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_stage is not None:
         blocks, rest = divmod(args.num_layers, per_stage * args.pipeline_model_parallel_size)
@@ -513,6 +520,11 @@ def is_encoder_and_decoder(args: argparse.Namespace) -> bool:
         return True
     encoder = getattr(args, "encoder_num_layers", None)
     return bool(encoder) and encoder != getattr(args, "num_layers", None)
+
+
+def _megatron_layout_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM's flags that lay layers out unevenly (its own placement builds them; a V refuses them)."""
+    return [flag for flag, field in MEGATRON_LAYOUT_FLAGS if getattr(args, field, None)]
 
 
 def check_layers(num_layers: int, schedule: Schedule, pad: bool) -> None:

@@ -79,8 +79,6 @@ NOT_USED = {
     "decoder_first_pipeline_num_layers": "the scaled copy holds one layer per pipeline stage",
     "decoder_last_pipeline_num_layers": "the scaled copy holds one layer per pipeline stage",
     "pipeline_model_parallel_layout": "the scaled copy holds one layer per pipeline stage",
-    "account_for_embedding_in_pipeline_split": "the scaled copy holds one layer per pipeline stage",
-    "account_for_loss_in_pipeline_split": "the scaled copy holds one layer per pipeline stage",
     "error_injection_rate": "injects faults on purpose (Megatron-LM's test of its re-run machinery: a run with an "
     "injected fault checkpoints and exits); verify compares two undisturbed runs",
     "error_injection_type": "no faults are injected (see --error-injection-rate)",
@@ -104,6 +102,8 @@ DEPENDENTS = {
         ("fim_spm_rate", "no fill-in-the-middle samples with mock data"),
     ),
 }  # fmt: skip
+# Megatron-LM's pipeline split counts these as layers where the line asks (name, dest)
+ACCOUNTED = (("embedding", "account_for_embedding_in_pipeline_split"), ("loss", "account_for_loss_in_pipeline_split"))
 # Flags that only set sizes of the full model, replaced by the scaled ones (dest -> flag to name).
 DATA_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
@@ -337,6 +337,7 @@ def _probe(args: argparse.Namespace, pp: int, tp: int, limits: Limits) -> argpar
         global_batch_size=2 * pp * limits.data_parallel,
         num_layers=pp * 2 * chunks * 2,  # divides into any chunk count the schedules use here
         num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=None,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
         zero_bubble_max_pending_backward=_scaled_limit(args, "zero_bubble_max_pending_backward", pp),
         zero_bubble_memory_limit=_scaled_limit(args, "zero_bubble_memory_limit", pp),
@@ -361,7 +362,14 @@ def _scaled_limit(args: argparse.Namespace, name: str, pp: int):
 def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
     """One layer per block; heads, groups and head size small, the GQA ratio and FFN ratio kept."""
     args = scaler.args
-    scaler.set("--num-layers", [str(blocks)], f"one layer per pipeline block ({blocks} blocks)")
+    accounted = [name for name, dest in ACCOUNTED if getattr(args, dest, False)]
+    if accounted:
+        layers = 2 * blocks - len(accounted)
+        counted = " and the ".join(accounted)
+        why = f"two per pipeline block ({blocks} blocks), the {counted} counted as one, as your line splits them"
+        scaler.set("--num-layers", [str(layers)], why)
+    else:
+        scaler.set("--num-layers", [str(blocks)], f"one layer per pipeline block ({blocks} blocks)")
     if args.num_layers_per_virtual_pipeline_stage:
         scaler.set("--num-layers-per-virtual-pipeline-stage", ["1"], "one layer per pipeline block")
     if args.group_query_attention:

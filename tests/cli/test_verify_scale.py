@@ -294,3 +294,24 @@ def test_mock_data_carries_the_fill_in_the_middle_flags_with_it(tmp_path: Path) 
 def test_torch_fsdp2_is_refused_with_its_reason() -> None:
     code, _, err = run_main(["--", *example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--use-torch-fsdp2"])
     assert code == 2 and "--use-torch-fsdp2: Megatron-LM runs torch FSDP2 without pipeline parallelism only" in err
+
+
+def test_an_uneven_megatron_split_is_kept_at_the_scaled_size(tmp_path: Path) -> None:
+    """--account-for-embedding/loss-in-pipeline-split (the embedding and the loss count as layers) with Megatron-LM's
+    newer --num-virtual-stages-per-pipeline-rank: 8 blocks of two, the first and last holding one layer."""
+    argv = [*example("llama3_8b_core_v0.19.0"), "--pipeline-model-parallel-size", "4"]
+    argv += ["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "30"]
+    argv += [
+        "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split",
+        "--enable-zero-bubble",
+    ]
+    line = scaled(argv, tmp_path)
+    assert values(line.argv, "--num-layers") == ["14"]
+    assert (
+        "--account-for-embedding-in-pipeline-split" in line.kept and "--account-for-loss-in-pipeline-split" in line.kept
+    )
+    from megatron_zb.megatron_lm_preflight import validate
+
+    for run in (line.argv, line.reference_argv):
+        assert validate(PARSER, run, line.processes).virtual_pipeline_model_parallel_size == 2
