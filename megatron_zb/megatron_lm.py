@@ -33,7 +33,7 @@ from functools import partial
 
 from . import megatron_lm_preflight as preflight
 from .megatron import patching
-from .megatron.args import add_args, schedule_settings
+from .megatron.args import add_args, schedule_settings, zero_bubble_notes
 from .megatron.placement_hooks import prepare_args
 from .training.checks import check_megatron_lm_launch, writable_file
 
@@ -229,10 +229,14 @@ def _checked(validate_args):
 
     def validate(args, *rest, **kwargs):
         found = validate_args(args, *rest, **kwargs)
+        checked = found if found is not None else args
         try:
-            check_zero_bubble(found if found is not None else args)
+            check_zero_bubble(checked)
         except ValueError as error:
             raise SystemExit(f"megatron-zb: {error}") from None
+        if getattr(checked, "rank", 0) == 0:
+            for note in zero_bubble_notes(checked):
+                print(f"megatron-zb: note: {note}", file=sys.stderr, flush=True)
         return found
 
     validate.megatron_zb_checked = True

@@ -156,6 +156,12 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(megatron-zb train always initialises this way)",
     )
     group.add_argument(
+        "--enable-zb-runtime",
+        action="store_true",
+        help="the reference implementation's switch for its zero-bubble runtime; accepted with a note so its scripts "
+        "run unchanged (megatron-zb's runtime runs every schedule)",
+    )
+    group.add_argument(
         "--zero-bubble-order-independent-dropout",
         action="store_true",
         help="draw every layer's dropout masks from (--seed, the microbatch's forward, the layer's number) instead of "
@@ -417,12 +423,7 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
         implied = "bitpipe"
     elif getattr(args, "zero_bubble_v_schedule", False):
         implied = V_MEMORY_SETUPS[args.zero_bubble_v_schedule_mem_setup]
-        if pending is not None:
-            raise ValueError(
-                "--zero-bubble-max-pending-backward has no effect on V schedules; choose their memory with "
-                "--zero-bubble-v-schedule-mem-setup {zb,half,min}, or --pipeline-schedule v-auto with "
-                "--zero-bubble-memory-limit"
-            )
+        pending = None  # no effect on a V: zero_bubble_notes says so
     elif getattr(args, "enable_zero_bubble", False):
         pending = pending if pending is not None else pp
         implied = {pp: "zb-1p", 2 * pp: "zb-2p"}.get(pending, "zb-auto")
@@ -444,6 +445,20 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
             f"not to {name}; drop it or choose one of those"
         )
     return name, limit
+
+
+def zero_bubble_notes(args: argparse.Namespace) -> list[str]:
+    """Flags the reference implementation's scripts give that change nothing here: one line each, to print."""
+    notes = []
+    if getattr(args, "enable_zb_runtime", False):
+        notes.append("--enable-zb-runtime has no effect: megatron-zb's runtime runs every zero-bubble schedule")
+    if getattr(args, "zero_bubble_v_schedule", False) and getattr(args, "zero_bubble_max_pending_backward", None):
+        notes.append(
+            "--zero-bubble-max-pending-backward has no effect on V schedules: their memory is set by "
+            "--zero-bubble-v-schedule-mem-setup {zb,half,min}, or --pipeline-schedule v-auto with "
+            "--zero-bubble-memory-limit"
+        )
+    return notes
 
 
 def virtual_chunks(args: argparse.Namespace) -> int | None:

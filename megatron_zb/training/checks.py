@@ -366,6 +366,9 @@ def unused(args: argparse.Namespace, given: set[str]) -> list[str]:
             if name in given
         ]
     notes += _unused_architecture(args, given)
+    from ..megatron.args import zero_bubble_notes
+
+    notes += zero_bubble_notes(args)
     if "no_zero_bubble_replan" in given and args.zero_bubble is None:
         notes.append("--no-zero-bubble-replan applies to megatron-zb schedules only; it has no effect here")
     if args.exit_interval is not None and args.exit_interval > args.train_iters:

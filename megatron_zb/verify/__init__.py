@@ -184,7 +184,7 @@ def _train(runs, argv: list[str], processes: int, name: str, label: str, folder:
 def _scaled_line(parser, user: list[str], limits, own_providers: bool):
     """(the scaled line, its timeout in seconds): read, refused, validated at full size, scaled, validated again."""
     from .. import megatron_lm_preflight as preflight
-    from ..megatron.args import schedule_settings
+    from ..megatron.args import schedule_settings, zero_bubble_notes
     from ..megatron_lm_flags import given_flags, megatron_lm_version, refuse_unknown
     from ..megatron_lm_script import refused_features
 
@@ -193,6 +193,8 @@ def _scaled_line(parser, user: list[str], limits, own_providers: bool):
     if problem:
         raise ValueError(problem)
     args = preflight.parse_line(parser, user)
+    for note in zero_bubble_notes(args):
+        print(f"{PROG}: note: {note}", file=sys.stderr)
     if own_providers and refused_features(args):
         raise ValueError(
             f"{', '.join(refused_features(args))}: megatron-zb's GPT providers (used without a Megatron-LM checkout) "

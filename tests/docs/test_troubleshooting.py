@@ -303,10 +303,6 @@ CASES = [
         lambda _: train("--enable-zero-bubble --zero-bubble-max-pending-backward auto"),
     ),
     (
-        "--zero-bubble-max-pending-backward has no effect on V schedules",
-        lambda _: train("--zero-bubble-v-schedule --zero-bubble-max-pending-backward 4"),
-    ),
-    (
         "--zero-bubble-memory-limit and --zero-bubble-max-pending-backward both set a memory limit",
         lambda _: train(
             "--pipeline-schedule zb-auto --zero-bubble-memory-limit 4 --zero-bubble-max-pending-backward 2"

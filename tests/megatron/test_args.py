@@ -150,7 +150,6 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         ("--pipeline-schedule zb-h2 --zero-bubble-memory-limit 3", ["--zero-bubble-memory-limit", "zb-h2"]),
         ("--pipeline-schedule zb-auto --zero-bubble-memory-limit 0.5", ["--zero-bubble-memory-limit", "0.5"]),
         ("--enable-zero-bubble --pipeline-schedule zb-v", ["conflicts", "zb-1p"]),
-        ("--zero-bubble-v-schedule --zero-bubble-max-pending-backward 8", ["no effect on V", "mem-setup"]),
         ("--zero-bubble-max-pending-backward 8", ["needs --enable-zero-bubble"]),
         ("--zero-bubble-v-schedule-mem-setup half", ["needs --zero-bubble-v-schedule"]),
         ("--enable-zero-bubble --context-parallel-size 2", ["--context-parallel-size"]),
@@ -209,3 +208,15 @@ def test_add_args_works_as_an_extra_args_provider_on_its_own() -> None:
     args.pipeline_model_parallel_size, args.num_layers = 4, 8
     args.micro_batch_size, args.global_batch_size, args.data_parallel_size = 1, 8, 1
     assert schedule_settings(args).schedule == "zb-2p"
+
+
+def test_the_reference_implementations_flags_are_taken_with_a_note() -> None:
+    """Its V scripts give --zero-bubble-max-pending-backward and --enable-zb-runtime: they run, and say so."""
+    from megatron_zb.megatron.args import zero_bubble_notes
+
+    args = settings("--zero-bubble-v-schedule --zero-bubble-max-pending-backward 8 --enable-zb-runtime")
+    assert args.zero_bubble.schedule == "zb-v"
+    notes = zero_bubble_notes(args)
+    assert notes[0].startswith("--enable-zb-runtime has no effect")
+    assert notes[1].startswith("--zero-bubble-max-pending-backward has no effect on V schedules")
+    assert zero_bubble_notes(settings("--enable-zero-bubble --zero-bubble-max-pending-backward 8")) == []
