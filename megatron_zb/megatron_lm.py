@@ -322,13 +322,18 @@ def _spawn_cpu(launch: argparse.Namespace, worker_argv: Sequence[str], world: in
 
 
 def spawn_cpu(
-    argv: Sequence[str], processes: int, metrics_file: str | None = None, threads: int = 1, timeout_s: float = 600.0
+    argv: Sequence[str],
+    processes: int,
+    metrics_file: str | None = None,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+    deadline_s: float | None = None,
 ) -> int:
     """Run ``pretrain()`` with ``argv`` on ``processes`` gloo ranks spawned and supervised here; the exit code.
 
     ``argv`` is taken as checked and complete for the CPU (``preflight.check`` and its additions);
     ``timeout_s`` is its --distributed-timeout-minutes: every rank publishes its heartbeat, and a stalled rank
-    is named as for megatron-zb's own loop (``training.supervise``).
+    is named as for megatron-zb's own loop (``training.supervise``); ``deadline_s`` bounds the whole run.
     """
     import torch.distributed as dist
 
@@ -341,7 +346,7 @@ def spawn_cpu(
         arguments = (processes, store.port, threads, list(argv), metrics_file, list(sys.path), timeout_s, copies)
         context = start_ranks(_cpu_worker, arguments, processes, ("megatron_zb.megatron_lm_rank_imports",))
         failure = lambda rank: failure_of(context, rank)  # noqa: E731
-        return supervise(context.processes, store, failure, received, timeout_s=timeout_s)
+        return supervise(context.processes, store, failure, received, timeout_s=timeout_s, deadline_s=deadline_s)
 
 
 def _megatron_copies() -> dict[str, str]:

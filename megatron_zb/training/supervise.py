@@ -188,6 +188,17 @@ def timeout_report(
     return "\n".join(lines)
 
 
+def deadline_report(records: dict[int, dict], world_size: int, now: float, deadline_s: float) -> str:
+    """The launcher's report when a run outlives its deadline: where each rank was."""
+    lines = [f"megatron-zb train: deadline: no result after {deadline_s:.0f} s; each rank's last status:"]
+    for rank in range(world_size):
+        if rank not in records:
+            lines.append(f"  rank {rank}: published no status: still before training (building the model or the data)")
+        else:
+            lines.append(f"  rank {rank}: {_last_seen(records[rank])}")
+    return "\n".join(lines)
+
+
 def _last_seen(record: dict) -> str:
     """A rank's last published status: what it waited for or ran, the iteration and pass, where."""
     wait = record.get("wait")
@@ -253,15 +264,18 @@ def supervise(
     received: list[int],
     poll_s: float = 0.25,
     timeout_s: float | None = None,
+    deadline_s: float | None = None,
 ) -> int:
     """Wait for the ranks; on a stall print the report, on a signal or failure end them all. Exit code.
 
     ``received`` is the list ``caught_signals`` appends SIGINT/SIGTERM to (128 + the signal is returned).
     ``timeout_s`` is the runs' wait timeout: a heartbeat silent that long triggers the report even when no
-    rank is seen waiting (otherwise the ranks' records say it).
+    rank is seen waiting (otherwise the ranks' records say it). ``deadline_s`` bounds the whole run: ranks
+    busy without end (a loop that never waits on a peer) are ended then, each named with where it was.
     """
     world_size = len(processes)
     beats = Heartbeats(frozen_s=timeout_s or QUIET_S)  # a live but silent rank counts as frozen after the timeout
+    started = time.monotonic()
     while True:
         if received:
             end_processes(processes)
@@ -286,6 +300,11 @@ def supervise(
             or (limit is not None and stuck_too_long(records, now, limit + GRACE_S))
             or (failed and quiet and any(e in failure(failed[0]) for e in PEER_ERRORS))
         )
+        if deadline_s is not None and not failed and clock - started > deadline_s:
+            print(deadline_report(records, world_size, now, deadline_s), file=sys.stderr)
+            end_processes(processes)
+            print(f"megatron-zb train: ended all {world_size} ranks", file=sys.stderr)
+            return 1
         if stalled:
             print(timeout_report(records, world_size, now, quiet, clock), file=sys.stderr)
             if failed:

@@ -16,6 +16,10 @@ from pathlib import Path
 
 from .verdict import Run
 
+# A scaled run trains in well under a minute here; one still running after this is stuck (e.g. a data split left
+# empty makes Megatron-LM's data loader loop forever without waiting on any peer, which no timeout sees).
+DEADLINE_S = 900.0
+
 
 class RunFailed(RuntimeError):
     """A run ended without training: its log's tail says why."""
@@ -33,7 +37,7 @@ def train(
     metrics, log = folder / f"{name}.jsonl", folder / f"{name}.log"
     start = time.perf_counter()
     with _output_to(log):
-        code = spawn_cpu(argv, processes, str(metrics), timeout_s=timeout_s)
+        code = spawn_cpu(argv, processes, str(metrics), timeout_s=timeout_s, deadline_s=DEADLINE_S)
     seconds = time.perf_counter() - start
     if code != 0 or not metrics.exists():
         why = "it exited with status 0 but logged no iteration" if code == 0 else f"exit status {code}"
@@ -86,7 +90,7 @@ def _tail(log: Path, lines: int = 40) -> str:
     reports = [
         index
         for index, line in enumerate(text)
-        if line.startswith(("megatron-zb train: rank ", "megatron-zb train: timeout"))
+        if line.startswith(("megatron-zb train: rank ", "megatron-zb train: timeout", "megatron-zb train: deadline"))
     ]
     if reports:
         return "\n".join(text[reports[0] : reports[0] + 2 * lines])

@@ -208,3 +208,26 @@ def test_a_silent_heartbeat_names_the_rank_that_went_quiet_first_whatever_its_la
     assert report[2].startswith("  rank 1: STALLED, silent for 7.0 s; last seen: waiting in P2P")
     records[1]["done"] = True  # a rank that finished stops beating without stalling
     assert beats.quiet(records, now=1007.0, stopped={1}) == {}
+
+
+def test_a_run_past_its_deadline_is_ended_with_each_ranks_last_status(capsys) -> None:
+    """Ranks busy without end and never waiting on a peer (Megatron-LM's data loader on an empty split): no timeout
+    sees them; the deadline ends them and says where each was."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from megatron_zb.training.supervise import supervise
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    begin = time.monotonic()
+    code = supervise(ranks, store, lambda rank: "", [], deadline_s=1.0)
+    assert code == 1 and time.monotonic() - begin < 30
+    assert all(rank.exitcode is not None for rank in ranks)
+    err = capsys.readouterr().err
+    assert "megatron-zb train: deadline: no result after 1 s" in err
+    assert "rank 1: published no status: still before training (building the model or the data)" in err
+    assert "ended all 2 ranks" in err
