@@ -131,6 +131,11 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def checkout_name(path: str | None) -> str:
+    """The checkout a row ran on, by its folder's name (core_v0.19.0), or the installed megatron.training."""
+    return os.path.basename(os.path.normpath(path)) if path else "installed megatron.training"
+
+
 def read_results(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         found = {
             "line": line.name,
             "flag": options.flag,
+            "checkout": checkout_name(options.megatron_lm),
             **run(line, options.megatron_lm, options.flag.split(), options.timeout),
         }
         results[line.name] = found
