@@ -1,6 +1,12 @@
-"""Helpers for cases run inside a WorkerPool: megatron parallel state and gradient comparison."""
+"""Helpers for cases run inside a WorkerPool (megatron parallel state and gradient comparison), or in the pytest
+process itself as one gloo rank."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +25,37 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _current = (tp, pp)
+
+
+@contextlib.contextmanager
+def one_gloo_rank() -> Iterator[None]:
+    """This process as the only rank of a gloo group, megatron-core on CPU with parallel sizes 1; undone after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_zb import cpu
+    from megatron_zb.process_groups import destroy_model_parallel
+
+    cpu.enable()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -10,15 +10,12 @@ whose rank 0 holds the first and the last layer, against 1F1B).
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_zb import cpu
 from megatron_zb.megatron import dropout_keys
 from megatron_zb.megatron.init import placement_independent_init
+from megatron_zb.testing.parallel import one_gloo_rank
 from megatron_zb.testing.toy_gpt import ToyGPT, loss_func, reference_step
 
 TOY = ToyGPT(layers=4, micro_batch=2, seq=8)
@@ -28,22 +25,8 @@ SEED = 77
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_on_cpu():
-    from megatron.core import parallel_state
-
-    cpu.enable()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MASTER_ADDR", "127.0.0.1")
-        env.setenv("MASTER_PORT", str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    from megatron_zb.process_groups import destroy_model_parallel
-
-    destroy_model_parallel()
-    dist.destroy_process_group()
+    with one_gloo_rank():
+        yield
 
 
 def blocks(chunks: int, keyed: bool = True, **overrides) -> list:

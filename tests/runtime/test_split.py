@@ -9,18 +9,16 @@ from __future__ import annotations
 import collections
 import functools
 import re
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.transformer import TransformerConfig
 
-from megatron_zb import cpu
 from megatron_zb.runtime import linear_split, te_wgrad
 from megatron_zb.runtime.wgrad import WeightGradStore
+from megatron_zb.testing.parallel import one_gloo_rank
 
 SEQ, BATCH, HIDDEN, FFN = 4, 3, 8, 16
 init_method = functools.partial(torch.nn.init.normal_, std=0.3)  # keeps tanh out of saturation
@@ -29,25 +27,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:Deprec
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_on_cpu():
-    cpu.enable()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MASTER_ADDR", "127.0.0.1")
-        env.setenv("MASTER_PORT", str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.set_num_threads(1)
-    linear_split.install()
-    yield
-    linear_split.uninstall()
-    torch.set_num_threads(threads)
-    from megatron_zb.process_groups import destroy_model_parallel
-
-    destroy_model_parallel()
-    dist.destroy_process_group()
+    with one_gloo_rank():
+        torch.set_num_threads(1)
+        linear_split.install()
+        yield
+        linear_split.uninstall()
+        torch.set_num_threads(threads)
 
 
 # -- helpers ------------------------------------------------------------------------------------
