@@ -9,7 +9,8 @@ environment, and one zero-bubble flag is added. An outcome is one of:
 - ``refused``: refused before any process started (exit 2; the reason is quoted);
 - ``mismatch``: both trained and differ (exit 1, MISMATCH);
 - ``failed``: a run failed after its processes started (exit 1);
-- ``timed out``.
+- ``timed out``;
+- ``not pretraining``: the config's MODE is inference or rl (another script than pretrain_gpt.py): not run.
 
 Resumable: every outcome is appended to ``--results`` (JSON lines) as it comes, and a second call runs only the
 lines not there yet. ``--table`` writes the Markdown table. ``--sample N`` runs a drawn sample (``--seed``).
@@ -36,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT.parent / "shared" / "megatron-lm" / "functional-configs" / "core_v0.19.0" / "gpt"
 TWINS = ("_1node", "_gb200")  # the same line on other cluster sizes
-OUTCOMES = ("OK", "refused", "mismatch", "failed", "timed out")
+OUTCOMES = ("OK", "refused", "mismatch", "failed", "timed out", "not pretraining")
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 NUMBERS = ("REPEAT",)  # placeholders the runner fills with a number, not a path
 
@@ -46,6 +47,7 @@ class Line:
     name: str
     argv: list[str]
     environment: dict[str, str]
+    mode: str = "pretraining"  # the config's MODE: inference and rl lines run other scripts than pretrain_gpt.py
 
 
 def lines(configs: Path) -> list[Line]:
@@ -69,7 +71,7 @@ def lines(configs: Path) -> list[Line]:
             values = value if isinstance(value, list) else _words(value)
             argv += [PLACEHOLDER.sub(lambda match: _filled(match.group(1), scratch), str(item)) for item in values]
         environment = {key: str(value) for key, value in (data.get("ENV_VARS") or {}).items()}
-        found.append(Line(name, argv, environment))
+        found.append(Line(name, argv, environment, str(data.get("MODE") or "pretraining")))
     return found
 
 
@@ -89,6 +91,9 @@ def _filled(name: str, scratch: Path) -> str:
 
 def run(line: Line, checkout: str | None, flag: list[str], timeout_s: float) -> dict:
     """One verify of ``line`` with ``flag`` added: its outcome, the sentence that says why, and its time."""
+    if line.mode != "pretraining":
+        why = f"MODE: {line.mode}: Megatron-LM runs this line with its {line.mode} script, not pretrain_gpt.py"
+        return {"outcome": "not pretraining", "why": why, "seconds": 0.0}
     command = [sys.executable, "-m", "megatron_zb", "verify"]
     command += ["--megatron-lm", checkout] if checkout else []
     command += ["--", *line.argv, *flag]

@@ -63,6 +63,7 @@ GPU_ONLY = {
 NOT_USED = {
     "load": "a checkpoint of the full-size model does not fit the scaled copy; both runs start from the seed",
     "pretrained_checkpoint": "a checkpoint of the full-size model does not fit the scaled copy",
+    "use_checkpoint_args": "reads the model's sizes from the --load checkpoint, which the scaled copy does not load",
     "tensorboard_dir": "verify writes no logs into your folders (the losses it compares are its own)",
     "wandb_project": "verify sends nothing to Weights & Biases",
     "wandb_exp_name": "verify sends nothing to Weights & Biases",

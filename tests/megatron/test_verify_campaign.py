@@ -30,12 +30,17 @@ def test_a_config_becomes_the_line_the_test_runner_passes(tmp_path: Path) -> Non
         "  --dist-ckpt-strictness: log_all # a comment\n  --rampup-batch-size: [32, 32, 65324160]\n"
         '  --step-batch-size-schedule: "0:384 200B:768"\n  --seed: ${REPEAT}\n'
         '  --hierarchical-context-parallel-sizes: "[2 2]"\n'
-        "TEST_TYPE: regular\n"
+        "TEST_TYPE: regular\nMODE: pretraining\n"
     )
     (tmp_path / "gpt" / "gpt3_tiny_pp2_1node").mkdir()
     (tmp_path / "gpt" / "gpt3_tiny_pp2_1node" / "model_config.yaml").write_text(config.read_text())
-    [line] = campaign.lines(tmp_path / "gpt")
-    assert line.name == "gpt3_tiny_pp2"
+    inference = tmp_path / "gpt" / "gpt_static_inference" / "model_config.yaml"
+    inference.parent.mkdir()
+    inference.write_text("MODE: inference\nMODEL_ARGS:\n  --temperature: 1.0\n")
+    line, other = campaign.lines(tmp_path / "gpt")
+    assert (other.name, other.mode) == ("gpt_static_inference", "inference")
+    assert campaign.run(other, None, ["--enable-zero-bubble"], 60)["outcome"] == "not pretraining"
+    assert line.name == "gpt3_tiny_pp2" and line.mode == "pretraining"
     assert line.environment == {"NVTE_FUSED_ATTN": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     data = line.argv[line.argv.index("--data-path") + 1]
     assert data.endswith("megatron-zb-campaign/DATA_PATH/text/my-gpt3_00_text_document")
