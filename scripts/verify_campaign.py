@@ -127,7 +127,16 @@ def classify(code: int, out: str, err: str) -> tuple[str, str]:
 def table(results: dict[str, dict]) -> str:
     counts = {outcome: sum(row["outcome"] == outcome for row in results.values()) for outcome in OUTCOMES}
     head = ", ".join(f"{count} {outcome}" for outcome, count in counts.items() if count)
-    rows = [f"{len(results)} lines: {head}.", "", "| line | flag | outcome | why | s |", "|---|---|---|---|---|"]
+    checkouts = sorted({row.get("checkout", "?") for row in results.values()})
+    rows = [
+        "# Megatron-LM's functional-test lines through `megatron-zb verify`",
+        "",
+        "Written by `scripts/verify_campaign.py` (see its docstring; docs/compatibility.md says how it was run). "
+        f"Megatron-LM: {', '.join(checkouts)}. {len(results)} lines: {head}.",
+        "",
+        "| line | flag | outcome | why | s |",
+        "|---|---|---|---|---|",
+    ]
     for name in sorted(results):
         row = results[name]
         why = row["why"].replace("|", "\\|")
