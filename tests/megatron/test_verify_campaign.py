@@ -74,9 +74,7 @@ def _recorded() -> dict[str, dict]:
 
 
 @pytest.mark.skipif(not checkouts.available() or not campaign.CONFIGS.is_dir(), reason=checkouts.skip_reason())
-@pytest.mark.skipif(
-    not _recorded(), reason="no recorded campaign for this Python's checkout (docs/verify_campaign.jsonl)"
-)
+@pytest.mark.skipif(not _recorded(), reason="no recorded row for this Python's checkout (docs/verify_campaign.jsonl)")
 def test_a_drawn_recorded_line_ends_as_recorded(tmp_path: Path) -> None:
     """One line of the table (drawn afresh each run among the OK and refused rows) on this Python's checkout."""
     recorded = {name: row for name, row in _recorded().items() if row["outcome"] in ("OK", "refused")}

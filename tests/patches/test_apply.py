@@ -21,6 +21,7 @@ import pytest
 
 import megatron_zb
 from megatron_zb.megatron.args import add_args, extra_args_provider
+from megatron_zb.testing import checkouts
 
 ROOT = Path(__file__).resolve().parents[2]
 APPLY = ROOT / "patches" / "apply.sh"
@@ -165,10 +166,18 @@ def test_checkout_without_a_version_is_refused(tmp_path: Path) -> None:
     assert (root / "pretrain_gpt.py").read_text() == layout("main")
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
-def test_patch_applies_to_the_real_checkout(tmp_path: Path) -> None:
-    """A copy of the real pretrain_gpt.py and package_info.py (the checkout itself is left alone)."""
-    real = Path(os.environ["MEGATRON_LM_PATH"])
+REAL_CHECKOUTS = [
+    *([os.environ["MEGATRON_LM_PATH"]] if os.environ.get("MEGATRON_LM_PATH") else []),
+    *(str(path) for path in sorted(checkouts.SHARED.glob("core_v*")) if (path / "pretrain_gpt.py").is_file()),
+]
+
+
+@pytest.mark.skipif(not REAL_CHECKOUTS, reason="no Megatron-LM checkout: set MEGATRON_LM_PATH or have ../shared")
+@pytest.mark.parametrize("real", REAL_CHECKOUTS or [None], ids=lambda path: Path(path).name if path else "none")
+def test_patch_applies_to_the_real_checkout(tmp_path: Path, real: str) -> None:
+    """A copy of the real pretrain_gpt.py and package_info.py (the checkout itself is left alone): every shared
+    checkout (core_v0.16.1, core_v0.19.0), and MEGATRON_LM_PATH's."""
+    real = Path(real)
     root = tmp_path / "Megatron-LM"
     (root / "megatron" / "core").mkdir(parents=True)
     shutil.copy(real / "pretrain_gpt.py", root / "pretrain_gpt.py")
