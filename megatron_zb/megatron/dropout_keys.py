@@ -28,6 +28,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .gpt_model import unwrapped
+from .init import seed_of
+
 EMBEDDING = 0  # the embedding's "layer number"; transformer layers count from 1 in the whole model
 
 
@@ -35,7 +38,7 @@ def install(chunks: Sequence[torch.nn.Module], seed: int) -> list:
     """Hook every chunk, its transformer layers and its embedding; the hooks' handles (``handle.remove()``)."""
     handles = []
     for chunk in chunks:
-        model = _unwrapped(chunk)
+        model = unwrapped(chunk)  # its forward runs once per microbatch
         if getattr(model, "megatron_zb_dropout_keys", False):
             continue
         model.megatron_zb_dropout_keys = True
@@ -46,13 +49,6 @@ def install(chunks: Sequence[torch.nn.Module], seed: int) -> list:
             handles.append(module.register_forward_pre_hook(functools.partial(_enter_layer, number)))
             handles.append(module.register_forward_hook(_leave))
     return handles
-
-
-def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron-core's DDP and Float16Module wrappers: its forward runs once per microbatch."""
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
 
 
 def _drawing_modules(model: torch.nn.Module) -> Iterator[tuple[int, torch.nn.Module]]:
@@ -69,22 +65,16 @@ def _drawing_modules(model: torch.nn.Module) -> Iterator[tuple[int, torch.nn.Mod
 
 def _enter_chunk(seed: int, count: Iterator[int], module: torch.nn.Module, args) -> None:
     _save(module)
-    _seed_all(derived(seed, "forward", next(count)))
+    _seed_all(seed_of(seed, "forward", next(count)))
 
 
 def _enter_layer(number: int, module: torch.nn.Module, args) -> None:
     _save(module)
-    _seed_all(derived(_fingerprint(), "layer", number))
+    _seed_all(seed_of(_fingerprint(), "layer", number))
 
 
 def _leave(module: torch.nn.Module, args, output) -> None:
     _restore(module.__dict__["megatron_zb_rng_saved"].pop())
-
-
-def derived(*key: object) -> int:
-    """A 63-bit seed from ``key``, the same in every process (Python's own hash is salted per process)."""
-    digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def _fingerprint() -> int:
@@ -120,7 +110,7 @@ def _seed_all(seed: int) -> None:
     current = torch.cuda.get_rng_state()
     seeded = {}
     for name in streams:
-        torch.cuda.manual_seed(derived(seed, name, _stream_offset(name)))
+        torch.cuda.manual_seed(seed_of(seed, name, _stream_offset(name)))
         seeded[name] = torch.cuda.get_rng_state()
     torch.cuda.set_rng_state(current)
     _tracker().set_states(seeded)

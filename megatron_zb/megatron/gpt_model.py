@@ -258,13 +258,13 @@ def _local_copies(chunks: list, placement: Placement, rank: int) -> tuple | None
     first, last = embedding_chunk(placement, rank), loss_chunk(placement, rank)
     if first is None or last is None or first == last:
         return None
-    embedding_model, output_model = _unwrap(chunks[first]), _unwrap(chunks[last])
+    embedding_model, output_model = unwrapped(chunks[first]), unwrapped(chunks[last])
     if not getattr(output_model, "share_embeddings_and_output_weights", False):
         return None
     return embedding_model.embedding.word_embeddings.weight, output_model.output_layer.weight
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model

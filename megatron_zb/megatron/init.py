@@ -98,7 +98,7 @@ def _drawn(key: str, param: torch.nn.Parameter, std: float, seed: int, tp_rank: 
     dim = getattr(param, "partition_dim", -1)
     if split:
         shape[dim] *= tp_size
-    generator = torch.Generator().manual_seed(_seed_of(seed, key))
+    generator = torch.Generator().manual_seed(seed_of(seed, key))
     full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
     if not split:
         return full
@@ -109,6 +109,7 @@ def _drawn(key: str, param: torch.nn.Parameter, std: float, seed: int, tp_rank: 
     return torch.cat(pieces[tp_rank::tp_size], dim=dim)
 
 
-def _seed_of(seed: int, key: str) -> int:
-    digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
+def seed_of(*key: object) -> int:
+    """A 63-bit seed from ``key``'s parts joined by "/", the same in every process (Python's hash is salted)."""
+    digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
