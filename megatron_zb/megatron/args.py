@@ -422,8 +422,7 @@ def _schedule_name(args: argparse.Namespace) -> tuple[str, float | None]:
             )
         implied = "bitpipe"
     elif getattr(args, "zero_bubble_v_schedule", False):
-        implied = V_MEMORY_SETUPS[args.zero_bubble_v_schedule_mem_setup]
-        pending = None  # no effect on a V: zero_bubble_notes says so
+        implied = V_MEMORY_SETUPS[args.zero_bubble_v_schedule_mem_setup]  # pending has no effect: zero_bubble_notes
     elif getattr(args, "enable_zero_bubble", False):
         pending = pending if pending is not None else pp
         implied = {pp: "zb-1p", 2 * pp: "zb-2p"}.get(pending, "zb-auto")
