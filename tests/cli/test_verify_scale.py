@@ -13,13 +13,14 @@ import argparse
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from megatron_zb import verify
+from megatron_zb.flags.megatron_lm_parser import given_flags, megatron_lm_parser, megatron_lm_version
 from megatron_zb.megatron.args import add_args, schedule_settings
-from megatron_zb.megatron_lm_flags import given_flags, megatron_lm_parser, megatron_lm_version
 from megatron_zb.verify import scale
 
 EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
@@ -89,7 +90,7 @@ def test_llama_example_scales_with_every_flag_accounted_for(tmp_path: Path, vers
     assert zero_bubble in argv and zero_bubble not in line.reference_argv
     assert scale.SAME_INIT in argv and scale.SAME_INIT in line.reference_argv
     assert line.precision == "bf16" and line.processes == 2
-    from megatron_zb.megatron_lm_preflight import validate
+    from megatron_zb.megatron_lm.preflight import validate
 
     for run in (line.argv, line.reference_argv):
         validated = validate(PARSER, run, line.processes)
@@ -115,7 +116,7 @@ def test_gpt3_example_maps_its_parallel_sizes_onto_four_processes(tmp_path: Path
     vocab = next(change for change in line.changes if change.flag == "--vocab-file")
     assert vocab.why.startswith(f"{vocab.given}: not found here; the mock data") and ".bin" not in vocab.why
     assert values(line.argv, "--initial-loss-scale") == [str(scale.FP16_START_SCALE)]
-    from megatron_zb.megatron_lm_preflight import validate
+    from megatron_zb.megatron_lm.preflight import validate
 
     validate(PARSER, line.argv, line.processes)
 
@@ -224,7 +225,7 @@ def test_a_change_carries_the_flags_that_depend_on_it(tmp_path: Path) -> None:
         "--error-injection-rate",
     ):
         assert gone not in line.argv and gone not in line.reference_argv
-    from megatron_zb.megatron_lm_preflight import validate
+    from megatron_zb.megatron_lm.preflight import validate
 
     for run in (line.argv, line.reference_argv):
         validate(PARSER, run, line.processes)
@@ -232,7 +233,7 @@ def test_a_change_carries_the_flags_that_depend_on_it(tmp_path: Path) -> None:
 
 def test_what_megatron_cores_config_refuses_is_refused_before_any_process() -> None:
     """Megatron-LM's validate_args takes it; megatron-core's TransformerConfig (built in every rank) would not."""
-    from megatron_zb.megatron_lm_preflight import validate
+    from megatron_zb.megatron_lm.preflight import validate
 
     argv = (
         "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -255,7 +256,7 @@ def test_multi_latent_attention_is_refused_by_name() -> None:
 def test_a_bare_assert_in_validate_args_names_its_source_line(tmp_path: Path) -> None:
     import importlib.util
 
-    from megatron_zb.megatron_lm_preflight import failed_assertion
+    from megatron_zb.megatron_lm.preflight import failed_assertion
 
     source = tmp_path / "arguments.py"  # as Megatron-LM's: a plain module, not rewritten by pytest
     source.write_text("def validate_args(args):\n    assert args > 1\n")
@@ -311,7 +312,39 @@ def test_an_uneven_megatron_split_is_kept_at_the_scaled_size(tmp_path: Path) -> 
     assert (
         "--account-for-embedding-in-pipeline-split" in line.kept and "--account-for-loss-in-pipeline-split" in line.kept
     )
-    from megatron_zb.megatron_lm_preflight import validate
+    from megatron_zb.megatron_lm.preflight import validate
 
     for run in (line.argv, line.reference_argv):
         assert validate(PARSER, run, line.processes).virtual_pipeline_model_parallel_size == 2
+
+
+PINNED = EXAMPLES / "pinned_scaled_lines.json"
+
+
+def pinned_outcome(name: str, zero_bubble: str) -> dict:
+    """What verify makes of an example line: the table it prints and both scaled command lines.
+
+    The folder is a fixed name (never written here): the table's column widths follow its length.
+    """
+    _, stray = given_flags(PARSER, example(name))
+    if stray:
+        return {"stray": [str(token) for token in stray]}
+    try:
+        line = scaled([*example(name), zero_bubble], Path("/verify-folder"))
+    except ValueError as refused:
+        return {"refused": str(refused)}
+    return {"table": line.table(), "argv": line.argv, "reference_argv": line.reference_argv}
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in EXAMPLES.glob("*_core_v*.json")))
+@pytest.mark.parametrize("zero_bubble", ["--enable-zero-bubble", "--zero-bubble-v-schedule"])
+def test_the_example_lines_scale_as_pinned(name: str, zero_bubble: str) -> None:
+    """Pinned before the flag surface moved into one table: the same tables and lines after it."""
+    key = f"{megatron_lm_version()[:4]} {name} {zero_bubble}"
+    pinned = json.loads(PINNED.read_text()) if PINNED.exists() else {}
+    found = pinned_outcome(name, zero_bubble)
+    if os.environ.get("MZB_PIN_SCALED_LINES") == "1":  # rewrite the pin (review the diff)
+        pinned[key] = found
+        PINNED.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+    assert key in pinned, f"no pinned outcome for {key}: run with MZB_PIN_SCALED_LINES=1 and review the diff"
+    assert found == pinned[key]
