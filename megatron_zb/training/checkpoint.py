@@ -30,13 +30,14 @@ weights are only in dp rank 0's file, which the others read (memory-mapped) on l
 Resuming needs the same tp, pp, dp (with context parallel) and chunk count: a checkpoint is
 not resharded. The folder must be shared by all ranks. Files hold pickled Python objects: the
 hashes catch damage, not tampering; load only checkpoints you trust.
+
+What a rank's file holds (model, optimizer, RNG) and how it goes back: ``checkpoint_state``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,6 +47,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checkpoint_state import (
+    gather_rng_over_dp,
+    is_distributed,
+    load_model_states,
+    load_optimizer,
+    model_states,
+    optimizer_parts,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
+)
 from .manifest import (
     FORMAT,
     LAYOUT_FIELDS,
@@ -111,8 +123,8 @@ def save_checkpoint(
     ranks = _ranks()
     directory = Path(directory)
     staging = staging_directory(directory, iteration)
-    rng = _rng_state()
-    rngs = {ranks.dp: rng} if layout.distributed_optimizer else _gather_over_dp(rng, ranks, layout.dp)
+    rng = rng_state()
+    rngs = {ranks.dp: rng} if layout.distributed_optimizer else gather_rng_over_dp(rng, ranks.dp, layout.dp)
     _agreed(lambda: _prepare(staging) if ranks.world == 0 else None, f"preparing {staging}")
     written = None
     if layout.distributed_optimizer or ranks.dp == 0:
@@ -122,11 +134,11 @@ def save_checkpoint(
             "layout": asdict(layout),
             "extra": extra,
             "rng_state": rngs,
-            "optimizer": _optimizer_state(optimizer) if optimizer is not None else None,
+            "optimizer": optimizer_state(optimizer) if optimizer is not None else None,
             "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
         }
         if ranks.dp == 0:
-            payload.update(_model_states(chunks))
+            payload.update(model_states(chunks))
         name = _rank_file(ranks, layout.distributed_optimizer)
         written = (name, *_outcome(lambda: _write_rank_file(staging / name, payload, hook)))
     records = _agreed_all(written, f"writing the checkpoint of iteration {iteration} into {staging}")
@@ -247,17 +259,16 @@ def _restore(target: Path, manifest: dict, chunks: list, optimizer, scheduler, r
     models = own
     if distributed and ranks.dp != 0:  # the weights are in dp rank 0's file only
         models = _read(target / _rank_file(_Ranks(ranks.tp, ranks.pp, 0, ranks.world), True), mmap=True)
-    for key, chunk in zip(_model_keys(len(chunks)), chunks, strict=True):
-        chunk.load_state_dict(models[key], strict=True)
+    load_model_states(chunks, models)
     for what, given in (("optimizer", optimizer), ("opt_param_scheduler", scheduler)):
         if given is not None and own[what] is None:
             raise CheckpointError(f"checkpoint {target} was saved without {what} state; load it with {what}=None")
     if optimizer is not None:
-        _load_optimizer(optimizer, own["optimizer"])
+        load_optimizer(optimizer, own["optimizer"])
     if scheduler is not None:
         scheduler.num_steps = 0  # load_state_dict steps by the saved count from wherever it stands
         scheduler.load_state_dict(own["opt_param_scheduler"])
-    _set_rng_state(own["rng_state"][ranks.dp])
+    set_rng_state(own["rng_state"][ranks.dp])
     return own["extra"]
 
 
@@ -336,18 +347,8 @@ def _ranks_text(ranks: list[int], world: int) -> str:
 
 
 # -- layout and files -------------------------------------------------------------------------
-def _parts(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _is_distributed(part) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return isinstance(part, DistributedOptimizer)
-
-
 def _layout(chunks: list, optimizer, default_distributed: bool = False) -> Layout:
-    distributed = any(map(_is_distributed, _parts(optimizer))) if optimizer is not None else default_distributed
+    distributed = any(map(is_distributed, optimizer_parts(optimizer))) if optimizer is not None else default_distributed
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -395,128 +396,3 @@ def _rank_file(ranks: _Ranks, distributed: bool) -> str:
 
 def _read(path: Path, mmap: bool = False) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-
-
-# -- model and optimizer ----------------------------------------------------------------------
-def _model_keys(count: int) -> list[str]:
-    return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
-
-
-def _model_states(chunks: list) -> dict:
-    states = {}
-    for key, chunk in zip(_model_keys(len(chunks)), chunks, strict=True):
-        save = getattr(chunk, "state_dict_for_save_checkpoint", chunk.state_dict)
-        states[key] = _cpu_copy(save())
-    return states
-
-
-def _cpu_copy(value):
-    """Own CPU copies: a view into DDP's flat buffer would otherwise save the whole buffer."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_cpu_copy(v) for v in value)
-    return value
-
-
-def _optimizer_state(optimizer) -> list[dict]:
-    """One state dict per chained optimizer; a distributed one carries this rank's shard too."""
-    states = []
-    for part in _parts(optimizer):
-        if _is_distributed(part):
-            if not part.optimizer.state:
-                raise ValueError("the distributed optimizer has no state before its first step; save after training")
-            state = part.state_dict()
-            shard = part.get_parameter_state_dp_reshardable()
-            for by_dtype in (v for k, v in shard.items() if isinstance(k, int)):
-                for buckets in by_dtype.values():
-                    for bucket in buckets:
-                        for entry in bucket:
-                            entry["padding"] = False  # load_parameter_state_from_dp_reshardable filters on it
-            state["param_state"] = shard
-            state["param_state_sharding_type"] = "dp_reshardable"
-        else:
-            state = part.state_dict()
-        states.append(_cpu_copy(state))
-    return states
-
-
-def _load_optimizer(optimizer, states: list[dict]) -> None:
-    parts = _parts(optimizer)
-    if len(states) != len(parts):
-        raise ValueError(f"checkpoint holds {len(states)} chained optimizer(s), this run has {len(parts)}")
-    # no_grad: with fp32 params the distributed optimizer's main params are views of the model
-    # params, and its load copies into them in place.
-    with torch.no_grad():
-        if hasattr(optimizer, "chained_optimizers") and len(parts) > 1:
-            optimizer.load_state_dict(states)
-        else:
-            optimizer.load_state_dict(states[0])
-    for part in parts:
-        _unshare_steps(part)
-
-
-def _unshare_steps(part) -> None:
-    """Give each parameter its own Adam step tensor.
-
-    The distributed optimizer's load_state_dict allocates a fresh state with one ``step``
-    tensor shared by every parameter (torch Adam keeps it uncopied); each step would then
-    advance it once per parameter and change the bias correction.
-    """
-    inner = getattr(part, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        step = state.get("step") if isinstance(state, dict) else None
-        if isinstance(step, torch.Tensor):
-            state["step"] = step.clone()
-
-
-# -- RNG --------------------------------------------------------------------------------------
-def _rng_state() -> dict:
-    state: dict[str, Any] = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
-    try:
-        import numpy
-
-        state["np_rng_state"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    from megatron.core import tensor_parallel
-
-    tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
-    if tracker_states:
-        state["rng_tracker_states"] = _cpu_copy(tracker_states)
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if "np_rng_state" in state:
-        import numpy
-
-        numpy.random.set_state(state["np_rng_state"])
-    if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    if "rng_tracker_states" in state:
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def _gather_over_dp(rng: dict, ranks: _Ranks, dp_size: int) -> dict[int, dict] | None:
-    """Every dp rank's RNG state, on dp rank 0 (None elsewhere)."""
-    if dp_size == 1:
-        return {0: rng}
-    from megatron.core import parallel_state as ps
-
-    try:
-        group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
-    except (AssertionError, RuntimeError):
-        group = None
-    group = group or ps.get_data_parallel_group(with_context_parallel=True)
-    gathered = [None] * dp_size if ranks.dp == 0 else None
-    dist.gather_object(rng, gathered, dst=dist.get_global_rank(group, 0), group=group)
-    return dict(enumerate(gathered)) if gathered is not None else None
