@@ -109,16 +109,8 @@ def _evaluate(args: argparse.Namespace, trainee: Trainee, valid: Batches, index:
     losses = []
     with torch.no_grad():
         for step in range(args.eval_iters):
-            iterators = [valid.iterator(index * args.eval_iters + step + 1, trainee.device) for _ in trainee.chunks]
-            losses += get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=trainee.chunks,
-                num_microbatches=valid.microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=True,
-            )
+            iteration = index * args.eval_iters + step + 1
+            losses += _run_schedule(get_forward_backward_func(), args, trainee, valid, iteration, forward_only=True)
     for chunk in trainee.chunks:
         chunk.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -134,18 +126,9 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: Batches, itera
     for chunk in trainee.chunks:
         chunk.zero_grad_buffer()
     trainee.optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
-    iterators = [data.iterator(iteration, trainee.device) for _ in trainee.chunks]
+    forward_backward = get_forward_backward_func()  # looked up outside the timed window
     fb_start = time.perf_counter()
-    losses = forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=trainee.chunks,
-        num_microbatches=data.microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    losses = _run_schedule(forward_backward, args, trainee, data, iteration, forward_only=False)
     fb_end = time.perf_counter()
     with recorder.span("optimizer step") if recorder is not None else contextlib.nullcontext():
         succeeded, grad_norm, _ = trainee.optimizer.step()
@@ -164,6 +147,22 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: Batches, itera
         "skipped": not succeeded,
         "loss_scale": float(trainee.optimizer.get_loss_scale()),
     }
+
+
+def _run_schedule(
+    forward_backward, args: argparse.Namespace, trainee: Trainee, data: Batches, iteration: int, forward_only: bool
+) -> list:
+    """One iteration's micro-batches through the schedule (one data iterator per model chunk); the losses."""
+    iterators = [data.iterator(iteration, trainee.device) for _ in trainee.chunks]
+    return forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=trainee.chunks,
+        num_microbatches=data.microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
 
 
 def _measured(args: argparse.Namespace, iteration: int, device: torch.device, start: int) -> bool:
