@@ -8,7 +8,7 @@ refuses bad flags in Megatron-LM's ``validate_args``. None imports torch until i
 
 from .megatron.args import add_args, extra_args_provider
 from .megatron.install import configure, install, uninstall
-from .megatron_lm import check_flags_before_init
+from .megatron_lm.validation import check_flags_before_init
 
 __version__ = "0.1.0"
 __all__ = ["add_args", "check_flags_before_init", "configure", "extra_args_provider", "install", "uninstall"]

@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` as a
 ``device="cuda"`` tensors in the optimizer and the schedules, ``.cuda()`` copies,
 ``Tensor.type()`` checks, a CUDA RNG tracker). ``enable()`` maps all of them to the CPU.
 It is applied only when asked, and refuses to run where CUDA is available. Every change is
-recorded in ``megatron_zb.megatron.patching`` (scope ``cpu``), the function mode included, and
+recorded in ``megatron_zb.patching`` (scope ``cpu``), the function mode included, and
 ``disable()`` undoes it: torch and megatron-core are then as they were found.
 """
 
@@ -18,7 +18,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .megatron import patching
+from . import patching
 
 _CPU = torch.device("cpu")
 _lock = threading.Lock()
@@ -119,8 +119,8 @@ def _set_no_cuda_rng_state(*args, **kwargs) -> None:
 
 
 def disable() -> None:
-    """Undo ``enable()`` (and ``megatron_lm_cpu.enable()``, which builds on it): torch and megatron-core as found."""
-    megatron_lm_cpu = sys.modules.get("megatron_zb.megatron_lm_cpu")
+    """Undo ``enable()`` (and ``megatron_lm.cpu.enable()``, which builds on it): torch and megatron-core as found."""
+    megatron_lm_cpu = sys.modules.get("megatron_zb.megatron_lm.cpu")  # a layer above: found, not imported
     if megatron_lm_cpu is not None:
         megatron_lm_cpu.disable_own()
     with _lock:

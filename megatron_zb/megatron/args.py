@@ -18,7 +18,7 @@ from ..schedule.placement import Placement
 from ..schedule.registry import get, with_option
 from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
 from .layer_split import layers_per_block
-from .placement_hooks import MEGATRON_LAYOUT_FLAGS, foreign_placement
+from .megatron_mapping import MEGATRON_LAYOUT_FLAGS, foreign_placement
 
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
 # Schedule-core option names, as a Megatron user knows them.

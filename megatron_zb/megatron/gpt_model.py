@@ -17,7 +17,7 @@ from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp3
 
 from ..schedule.placement import Placement
 from .layout import PlacementLayerLayout, layer_layout
-from .placement_hooks import uses_megatron_mapping
+from .megatron_mapping import uses_megatron_mapping
 
 
 def embedding_chunk(placement: Placement, rank: int) -> int | None:

@@ -14,18 +14,18 @@ the runtime's B/W split of megatron-core's linears; ``uninstall()`` undoes that 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
+from .. import patching
 from ..compat import is_multi_module_pg_collection, require_supported_megatron_core, signature_of
-from . import patching, placement_hooks
-from .args import ZeroBubbleSettings, schedule_settings
+from . import parsed_args, placement_hooks
+from .args import ZeroBubbleSettings
+from .parsed_args import megatron_lm_settings
 from .training_hooks import hook_training_loop
 
 _original: Callable | None = None
 _configured: list = []  # [settings or None] once configure() was called
 _runners: dict = {}
-_from_args: dict = {}
 
 
 def install() -> None:
@@ -56,7 +56,7 @@ def uninstall() -> None:
     latest model, optimizer backend and process groups.
     """
     patching.undo(patching.MEGATRON)
-    _from_args.clear()
+    parsed_args.forget()
     _runners.clear()
 
 
@@ -105,18 +105,6 @@ def active_settings() -> ZeroBubbleSettings | None:
     return megatron_lm_settings()
 
 
-def megatron_lm_settings() -> ZeroBubbleSettings | None:
-    """The settings Megatron-LM's parsed arguments select (``configure()`` aside); None without them."""
-    args = megatron_lm_args()
-    if args is None:
-        return None
-    key = id(args)
-    if key not in _from_args or _from_args[key][0] is not args:  # the args kept too: an id can be reused
-        _from_args.clear()
-        _from_args[key] = (args, schedule_settings(args))
-    return _from_args[key][1]
-
-
 def runner_for(settings: ZeroBubbleSettings):
     """One ForwardBackward per settings, so its planned schedules (and its re-plan) outlive an iteration.
 
@@ -143,10 +131,3 @@ def runner_for(settings: ZeroBubbleSettings):
             layers=settings.layers,
         )
     return _runners[settings]
-
-
-def megatron_lm_args():
-    """Megatron-LM's parsed arguments when its training package is loaded and they are set."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
-    return args if args is not None and hasattr(args, "enable_zero_bubble") else None

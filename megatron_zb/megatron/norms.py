@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import patching
+from .. import patching
 
 
 class TorchNorm(torch.nn.Module):

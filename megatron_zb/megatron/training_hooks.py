@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from . import patching
+from .. import patching
 
 HOOKED = (
     "get_megatron_optimizer",

@@ -32,7 +32,7 @@ def install() -> None:
     global _patch, _original, _signature
     from megatron.core.tensor_parallel import layers
 
-    from ..megatron import patching
+    from .. import patching
 
     with _lock:
         if _patch is not None and patching.in_force(_patch):
@@ -49,7 +49,7 @@ def install() -> None:
 def uninstall() -> None:
     """Put megatron-core's function back (``megatron_zb.uninstall()`` does it too)."""
     global _patch
-    from ..megatron import patching
+    from .. import patching
 
     with _lock:
         if _patch is not None:

@@ -120,8 +120,8 @@ class WorkerPool:
     def _spawn(self) -> None:
         """The ranks are forks of the launcher's fork server (``pretrain_gpt.RANK_IMPORTS`` imported once):
         a pool replaced after a case that left too many threads starts in a second, not 6 s of imports a rank."""
-        from ..pretrain_gpt import RANK_IMPORTS
         from ..training import fork_server
+        from ..training.spawn import RANK_IMPORTS
 
         ctx = mp.get_context("forkserver")
         fork_server.ensure(RANK_IMPORTS)

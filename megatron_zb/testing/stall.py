@@ -2,7 +2,7 @@
 
 ``python -m megatron_zb.testing.stall FAULT <megatron-zb train flags>`` runs the CPU launcher with
 ``stalling_worker``, which installs the fault on its rank and then runs the normal worker (with
-``--megatron-lm`` in the flags: Megatron-LM's ``pretrain()`` through ``megatron_lm.spawn_cpu``). FAULT is
+``--megatron-lm`` in the flags: Megatron-LM's ``pretrain()`` through ``megatron_lm.launch.spawn_cpu``). FAULT is
 JSON: ``rank``, ``at`` (one of ``STALL_POINTS``), ``iteration``, ``how`` ("sleep", the default, or "sigstop":
 the process stops itself, its heartbeat thread with it), ``seconds`` to sleep, ``mark`` (a file that gets
 the wall time the stall began) and, by point: ``match`` for ``pass`` ("F s2 mb3") and ``send`` ("activation
@@ -38,9 +38,9 @@ def stalling_worker(rank: int, launcher, args: argparse.Namespace, port: int, pa
 
 
 def stalling_megatron_lm_worker(fault: dict, rank: int, *args) -> None:
-    """``megatron_lm._cpu_worker``'s arguments after ``fault``; the fault installed on its rank first."""
+    """``megatron_lm.launch._cpu_worker``'s arguments after ``fault``; the fault installed on its rank first."""
     sys.path[:] = args[6]  # the parent's path, as the worker sets it (after the environment, world, ...)
-    from ..megatron_lm import _cpu_worker
+    from ..megatron_lm.launch import _cpu_worker
 
     if fault["rank"] == rank:
         _install(fault)
@@ -189,8 +189,8 @@ def _megatron_lm(fault: dict, flags: list[str]) -> int:
     """Megatron-LM's pretrain() on CPU with the fault on one rank (the launcher's checks, then a supervised spawn)."""
     from functools import partial
 
-    from .. import megatron_lm
-    from .. import megatron_lm_preflight as preflight
+    from ..megatron_lm import launch as megatron_lm
+    from ..megatron_lm import preflight
 
     launch, rest = megatron_lm.split_argv(flags)
     if "timeout_s" in fault:

@@ -6,7 +6,7 @@ times (the ``PassProfiler``'s clock, so both lie on one axis). It replaces the a
 ``torch.distributed`` (how megatron-core calls them), of ``torch.distributed.distributed_c10d``
 (where one collective calls another: only the outermost call is recorded) and the module-level
 aliases megatron-core takes at import (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``),
-and puts every one back on ``stop()``: each replacement is recorded in ``megatron_zb.megatron.patching``
+and puts every one back on ``stop()``: each replacement is recorded in ``megatron_zb.patching``
 under the wrapper's own scope, and wrappers stacked on each other (a recorder on the watchdog's) put the
 originals back exactly in whichever order they stop.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..megatron import patching
+from .. import patching
 from ..runtime.profiler import PassRecord
 from ..schedule.ir import PassKind
 

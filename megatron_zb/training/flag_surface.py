@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from ..megatron_lm_flags import given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
+from ..flags.megatron_lm_parser import given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
 
 # The launcher's own flags, which Megatron-LM's pretrain_gpt does not have (Megatron-LM sets the chunk
 # count with --num-layers-per-virtual-pipeline-stage only).

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import scale
-from .verdict import TOLERANCE, check_tolerance, compare, report
+from .verdict import TOLERANCE, Run, check_tolerance, compare, report
 
 PROG = "megatron-zb verify"
 ITERATIONS = 4
@@ -115,7 +115,7 @@ def _loop(options: argparse.Namespace) -> str:
         sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
     if options.verify_loop is not None:
         return options.verify_loop
-    from ..megatron_lm_flags import megatron_lm_parser
+    from ..flags.megatron_lm_parser import megatron_lm_parser
 
     return "megatron-lm" if megatron_lm_parser() is not None else "launcher"
 
@@ -133,11 +133,11 @@ def _own_loop(options: argparse.Namespace, user: list[str], inject: int | None) 
 
 
 def _megatron_lm(options: argparse.Namespace, user: list[str]) -> int:
-    from .. import megatron_lm_preflight as preflight
+    from ..flags.megatron_lm_parser import megatron_lm_parser, megatron_lm_version
     from ..megatron.args import add_args
-    from ..megatron_lm import uses_own_providers
-    from ..megatron_lm_flags import megatron_lm_parser, megatron_lm_version
-    from . import megatron_lm_runs
+    from ..megatron_lm import preflight
+    from ..megatron_lm import verify_runs as megatron_lm_runs
+    from ..megatron_lm.checkout import uses_own_providers
 
     parser = megatron_lm_parser(add_args)
     if parser is None:
@@ -178,15 +178,15 @@ def _train(runs, argv: list[str], processes: int, name: str, label: str, folder:
     """One run (``megatron_lm_runs.train``), its time printed under ``label``: what it logged."""
     logged, seconds = runs.train(argv, processes, name, folder, timeout_s, label)
     print(f"{label}: trained in {seconds:.0f} s", flush=True)
-    return logged
+    return Run.from_metrics(logged)
 
 
 def _scaled_line(parser, user: list[str], limits, own_providers: bool):
     """(the scaled line, its timeout in seconds): read, refused, validated at full size, scaled, validated again."""
-    from .. import megatron_lm_preflight as preflight
+    from ..flags.megatron_lm_parser import given_flags, megatron_lm_version, refuse_unknown
     from ..megatron.args import schedule_settings, zero_bubble_notes
-    from ..megatron_lm_flags import given_flags, megatron_lm_version, refuse_unknown
-    from ..megatron_lm_script import refused_features
+    from ..megatron_lm import preflight
+    from ..megatron_lm.script import refused_features
 
     flags, stray = given_flags(parser, user)
     problem = refuse_unknown(flags, stray, f"Megatron-LM {megatron_lm_version()}'s pretrain_gpt")

@@ -137,7 +137,7 @@ def _spawn(reference: argparse.Namespace, theirs: argparse.Namespace, folder: Pa
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from ..pretrain_gpt import start_ranks
+    from ..training.spawn import start_ranks
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:

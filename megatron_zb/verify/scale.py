@@ -1,6 +1,6 @@
 """A user's pretrain_gpt command line, scaled down to what this machine runs, every flag accounted for.
 
-The line is read with Megatron-LM's own parser (``megatron_lm_flags``), then each flag is either
+The line is read with Megatron-LM's own parser (``flags/megatron_lm_parser.py``), then each flag is either
 kept as given, changed with a reason (sizes, parallel sizes, what a CPU cannot run), or dropped
 with a reason (checkpoints it cannot load, logs it must not write into). What the schedule and
 the training math depend on stays: normalization, activation, biases, RoPE, precision, optimizer,
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import megatron_lm_preflight as preflight
-from ..megatron_lm_flags import Given, flag_of
+from ..flags.megatron_lm_parser import Given, flag_of
+from ..megatron_lm import preflight
 
 MAX_PROCESSES = 4  # gloo processes: two cores run four with the pool's overhead, not eight
 HEAD_DIM = 8

@@ -29,6 +29,19 @@ class Run:
     bubbles: list[float] = field(default_factory=list)
     grads: dict[str, list[float]] = field(default_factory=dict)  # key -> [norm, projection]
 
+    @classmethod
+    def from_metrics(cls, rows: list[dict]) -> Run:
+        """What Megatron-LM's run logged: one metrics line per iteration (``--metrics-file``)."""
+        run = cls()
+        for row in rows:
+            iteration = row["iteration"]
+            if row.get("loss") is not None:
+                run.losses[iteration] = row["loss"]
+            if row.get("grad_norm") is not None:
+                run.grad_norms[iteration] = row["grad_norm"]
+            run.skipped[iteration] = bool(row.get("skipped", False))
+        return run
+
 
 @dataclass
 class Verdict:

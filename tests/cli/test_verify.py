@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from megatron_zb import verify
-from megatron_zb.megatron_lm_flags import megatron_lm_parser
+from megatron_zb.flags.megatron_lm_parser import megatron_lm_parser
 
 pytestmark = pytest.mark.skipif(
     megatron_lm_parser() is not None, reason="Megatron-LM is importable: verify runs its pretrain() (other modules)"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zb.megatron_lm_flags import megatron_lm_parser
+from megatron_zb.flags.megatron_lm_parser import megatron_lm_parser
 
 EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
 pytestmark = pytest.mark.skipif(

@@ -144,7 +144,7 @@ def checkpoint_layout(_monkeypatch) -> str:
 
 def v_on_megatron_lm(**fields):
     def trigger(_monkeypatch) -> str:
-        from megatron_zb.megatron_lm import _checked
+        from megatron_zb.megatron_lm.validation import _checked
 
         validate = _checked(lambda args: args)
         given = {**MEGATRON, "enable_zero_bubble": False, "zero_bubble_v_schedule": True, **fields}
@@ -154,14 +154,14 @@ def v_on_megatron_lm(**fields):
 
 
 def no_megatron_lm(monkeypatch) -> str:
-    from megatron_zb import megatron_lm
+    from megatron_zb.megatron_lm import checkout
 
     def missing(name):
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
-    monkeypatch.setattr(megatron_lm.importlib, "import_module", missing)
-    return raised(megatron_lm._pretrain_gpt_module)
+    monkeypatch.setattr(checkout.importlib, "import_module", missing)
+    return raised(checkout.pretrain_gpt_module)
 
 
 def surface(with_megatron_lm: bool) -> str:
@@ -175,7 +175,7 @@ def surface(with_megatron_lm: bool) -> str:
 
 def unknown_to(version: str, *argv: str) -> str:
     """refuse_unknown's message for a line read by a parser that lacks the flag (Megatron-LM's, named by version)."""
-    from megatron_zb.megatron_lm_flags import given_flags, refuse_unknown
+    from megatron_zb.flags.megatron_lm_parser import given_flags, refuse_unknown
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--hidden-size", type=int)
@@ -184,14 +184,14 @@ def unknown_to(version: str, *argv: str) -> str:
 
 
 def gpu_only_on_cpu() -> str:
-    from megatron_zb.megatron_lm_flags import Given
-    from megatron_zb.megatron_lm_preflight import _gpu_only
+    from megatron_zb.flags.megatron_lm_parser import Given
+    from megatron_zb.megatron_lm.preflight import _gpu_only
 
     return _gpu_only("fp8", [Given("--fp8-format", ("hybrid",), argparse.Action(["--fp8-format"], "fp8"))])
 
 
 def unset_eval_interval(monkeypatch) -> str:
-    from megatron_zb import megatron_lm_preflight as preflight
+    from megatron_zb.megatron_lm import preflight
 
     monkeypatch.setattr(preflight, "megatron_lm_version", lambda: "0.19.2")
     args = SimpleNamespace(eval_interval=None, skip_train=False, full_validation=False)

@@ -6,7 +6,7 @@ shims touch (``torch``, ``torch.cuda``, ``torch.cpu``, ``torch.distributed``, ``
 of every class those megatron modules define and of ``torch.Tensor``, and the thread's torch
 function-mode stack. ``differences()`` names every attribute whose object is not the one found
 (an attribute that was inherited and is now set on the class counts too). The script enables and
-installs everything (``megatron_zb.cpu`` or ``megatron_lm_cpu``, ``install()``, the B/W linear
+installs everything (``megatron_zb.cpu`` or ``megatron_lm.cpu``, ``install()``, the B/W linear
 split, Megatron-LM's launcher hooks where ``megatron.training`` exists, the watchdog's and the
 recorder's collective wrappers stopped in and out of order), undoes it twice over, and prints one
 JSON line: what differs, which registry entries were in force, and any replacement still held.
@@ -143,13 +143,13 @@ def _import_all() -> None:
     ):
         importlib.import_module(name)
     if has_megatron_lm():
-        importlib.import_module("megatron_zb.megatron_lm")
-        importlib.import_module("megatron_zb.megatron_lm_cpu")
+        for name in ("launch", "pretrain", "validation", "cpu"):
+            importlib.import_module(f"megatron_zb.megatron_lm.{name}")
 
 
 def _collectives() -> list[list[str]]:
     """The watchdog's wrappers and a recorder stacked on them, stopped out of order and then in order."""
-    from megatron_zb.megatron import patching
+    from megatron_zb import patching
     from megatron_zb.training.collectives import CollectiveRecorder
     from megatron_zb.training.watchdog import CollectiveWatch, P2PWatch
 
@@ -168,13 +168,14 @@ def _collectives() -> list[list[str]]:
 def enable_everything(metrics_file: str) -> tuple[list, list]:
     """Every patch megatron-zb makes in this venv: (the registry's entries in force, the collective scopes)."""
     import megatron_zb
-    from megatron_zb.megatron import patching
+    from megatron_zb import patching
     from megatron_zb.runtime import linear_split
 
     if has_megatron_lm():
         from megatron.training import training
 
-        from megatron_zb import megatron_lm, megatron_lm_cpu
+        from megatron_zb.megatron_lm import cpu as megatron_lm_cpu
+        from megatron_zb.megatron_lm import pretrain, validation
 
         megatron_lm_cpu.enable()
     else:
@@ -184,8 +185,8 @@ def enable_everything(metrics_file: str) -> tuple[list, list]:
     megatron_zb.install()
     linear_split.install()
     if has_megatron_lm():
-        megatron_lm.check_flags_before_init()
-        megatron_lm._write_metrics(training, metrics_file)
+        validation.check_flags_before_init()
+        pretrain._write_metrics(training, metrics_file)
     collectives = _collectives()
     return patching.applied(), collectives
 
@@ -195,20 +196,20 @@ def undo_everything() -> None:
 
     megatron_zb.uninstall()
     if has_megatron_lm():
-        from megatron_zb import megatron_lm_cpu
+        from megatron_zb.megatron_lm import cpu as megatron_lm_cpu
 
         megatron_lm_cpu.disable()  # megatron-lm-cpu and megatron_zb.cpu's shims
     else:
         from megatron_zb import cpu
 
         cpu.disable()
-    from megatron_zb.megatron import patching
+    from megatron_zb import patching
 
     patching.undo(patching.MEGATRON_LM)
 
 
 def main() -> None:
-    from megatron_zb.megatron import patching
+    from megatron_zb import patching
 
     _import_all()
     before = snapshot()

@@ -248,7 +248,7 @@ def test_encoder_decoder_model_is_refused(checkout: Path) -> None:
 
 
 def _installed_megatron_training() -> bool:
-    """megatron-core >= 0.17 ships megatron.training: --megatron-lm then needs no checkout (megatron_lm_script)."""
+    """megatron-core >= 0.17 ships megatron.training: --megatron-lm then needs no checkout (megatron_lm/script.py)."""
     import importlib.util
 
     return importlib.util.find_spec("megatron.training") is not None
@@ -283,7 +283,7 @@ def test_megatron_lm_path_that_is_not_a_directory(tmp_path: Path) -> None:
 
 
 def test_an_exit_inside_pretrain_is_a_failure_unless_an_exit_flag_asked_for_it() -> None:
-    from megatron_zb.megatron_lm import early_exit_problem
+    from megatron_zb.megatron_lm.launch import early_exit_problem
 
     # load_checkpoint's "Unable to load rng state ... exiting ..." is sys.exit() with no status
     assert "gave up (its last message above says why)" in early_exit_problem(None, ["--load", "ckpt"])

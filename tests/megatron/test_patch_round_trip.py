@@ -1,5 +1,5 @@
 """Every change megatron-zb makes to torch, megatron-core and Megatron-LM goes through one registry
-(``megatron_zb.megatron.patching``), and undoing it leaves them exactly as found.
+(``megatron_zb.patching``), and undoing it leaves them exactly as found.
 
 The round trip runs in a fresh interpreter (``patch_round_trip.py``): it enables and installs
 everything this venv supports, undoes it, twice, and compares the namespaces of every loaded
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zb.megatron import patching
+from megatron_zb import patching
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -14,7 +14,7 @@ import argparse
 
 import pytest
 
-from megatron_zb.megatron.placement_hooks import foreign_placement, prepare_args
+from megatron_zb.megatron.megatron_mapping import foreign_placement, prepare_args
 from megatron_zb.schedule.placement import interleaved, linear, v_shape
 from megatron_zb.testing.pool import WorkerPool
 

@@ -77,7 +77,7 @@ def test_with_post_validation_the_step_statistics_stay_local(training) -> None:
 
 
 def test_uninstall_puts_megatron_lms_functions_back(training) -> None:
-    from megatron_zb.megatron import patching
+    from megatron_zb import patching
 
     originals = {name: getattr(training, name) for name in HOOKED}
     hook_training_loop(lambda: None)

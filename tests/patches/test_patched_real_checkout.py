@@ -43,13 +43,15 @@ def worker(rank, port, root, script, argv, metrics):
     import multiprocessing
     multiprocessing.set_start_method("fork", force=True)
     import torch.distributed as dist
-    from megatron_zb import megatron_lm, megatron_lm_cpu
+    from megatron_zb.megatron_lm import cpu as megatron_lm_cpu
+    from megatron_zb.megatron_lm import launch, pretrain
+
     megatron_lm_cpu.enable()
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
                             world_size=2)
     from megatron.training import training
-    megatron_lm._write_metrics(training, metrics)
-    sys.argv = [script, *megatron_lm.cpu_argv(argv)]
+    pretrain._write_metrics(training, metrics)
+    sys.argv = [script, *launch.cpu_argv(argv)]
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:

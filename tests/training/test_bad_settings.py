@@ -461,7 +461,7 @@ def test_parse_refuses_with_exit_2(capsys) -> None:
 
 
 # The Megatron-LM routes: `megatron-zb train --megatron-lm` and the patched pretrain_gpt.py both check our flags
-# in Megatron-LM's validate_args (megatron_lm._checked); Megatron-LM's own flags are its validate_args' business.
+# in Megatron-LM's validate_args (megatron_lm/validation.py); Megatron-LM's own flags are its validate_args' business.
 MEGATRON_LM_ARGS = dict(
     pipeline_model_parallel_size=4, num_layers=16, micro_batch_size=1, global_batch_size=8, data_parallel_size=1,
     train_iters=20, zero_bubble_pipeline_timers_start_iter=100, zero_bubble_pipeline_timers_end_iter=110,
@@ -492,7 +492,7 @@ MEGATRON_LM_ARGS = dict(
 def test_megatron_lm_validate_args_refuses_our_bad_numbers(fields: dict, message: str) -> None:
     import argparse
 
-    from megatron_zb.megatron_lm import _checked
+    from megatron_zb.megatron_lm.validation import _checked
 
     validate = _checked(lambda args: args)
     with pytest.raises(SystemExit) as stopped:
@@ -503,7 +503,7 @@ def test_megatron_lm_validate_args_refuses_our_bad_numbers(fields: dict, message
 def test_megatron_lm_validate_args_checks_the_costs_file_path(tmp_path: Path) -> None:
     import argparse
 
-    from megatron_zb.megatron_lm import _checked
+    from megatron_zb.megatron_lm.validation import _checked
 
     (tmp_path / "file").write_text("")
     target = tmp_path / "file" / "costs.json"

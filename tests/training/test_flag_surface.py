@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_zb.flags.megatron_lm_parser import megatron_lm_parser
 from megatron_zb.megatron.args import add_args
-from megatron_zb.megatron_lm_flags import megatron_lm_parser
 from megatron_zb.training import flag_surface
 from megatron_zb.training.arguments import build_parser
 

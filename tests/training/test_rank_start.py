@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zb.pretrain_gpt import RANK_IMPORTS, start_ranks
 from megatron_zb.testing.launcher import launcher_probe
+from megatron_zb.training.spawn import RANK_IMPORTS, start_ranks
 
 NAME = "MZB_RANK_START_PROBE"
 

@@ -8,13 +8,12 @@ each logs one metrics line per iteration (loss, grad norm, skipped step), which 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from .verdict import Run
+from ..training.measured import read_metrics
 
 # A scaled run trains in well under a minute here; one still running after this is stuck (e.g. a data split left
 # empty makes Megatron-LM's data loader loop forever without waiting on any peer, which no timeout sees).
@@ -27,12 +26,12 @@ class RunFailed(RuntimeError):
 
 def train(
     argv: list[str], processes: int, name: str, folder: Path, timeout_s: float, label: str | None = None
-) -> tuple[Run, float]:
-    """Run ``pretrain()`` with ``argv`` (checked) on ``processes`` gloo processes; (what it logged, seconds).
+) -> tuple[list[dict], float]:
+    """Run ``pretrain()`` with ``argv`` (checked) on ``processes`` gloo processes; (its metrics lines, seconds).
 
     ``name`` names its files in ``folder``; ``label`` (default ``name``) names the run to the user.
     """
-    from ..megatron_lm import spawn_cpu
+    from .launch import spawn_cpu
 
     metrics, log = folder / f"{name}.jsonl", folder / f"{name}.log"
     start = time.perf_counter()
@@ -63,19 +62,6 @@ def _output_to(log: Path):
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
-
-
-def read_metrics(path: Path) -> Run:
-    run = Run()
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        iteration = row["iteration"]
-        if row.get("loss") is not None:
-            run.losses[iteration] = row["loss"]
-        if row.get("grad_norm") is not None:
-            run.grad_norms[iteration] = row["grad_norm"]
-        run.skipped[iteration] = bool(row.get("skipped", False))
-    return run
 
 
 def _tail(log: Path, lines: int = 40) -> str:

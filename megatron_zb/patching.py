@@ -10,8 +10,8 @@ with what it replaced, under the scope that made it, and ``undo(scope)`` puts th
   ``megatron_zb.uninstall()``.
 - ``cpu``: ``megatron_zb.cpu.enable()``: ``torch.cuda`` functions, ``Tensor.type``, the function mode
   that maps CUDA devices to the CPU, megatron-core's RNG tracker; ``cpu.disable()``.
-- ``megatron-lm-cpu``: ``megatron_lm_cpu.enable()``: more of ``torch.cuda`` and Megatron-LM's start-up;
-  ``megatron_lm_cpu.disable()``.
+- ``megatron-lm-cpu``: ``megatron_lm.cpu.enable()``: more of ``torch.cuda`` and Megatron-LM's start-up;
+  ``megatron_lm.cpu.disable()``.
 - ``megatron-lm``: what the ``--megatron-lm`` launcher sets for one ``pretrain()`` (the ``--metrics-file``
   hook on ``training_log``, the script's ``is_distributed``), undone when it returns.
 - ``collectives:<wrapper>``: one per active ``training.collectives.CollectiveWrapper`` (the watchdog's

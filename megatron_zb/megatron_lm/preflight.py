@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .megatron_lm_flags import Given, given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
+from ..flags.megatron_lm_parser import Given, given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
     refusals = [_gpu_only(dest, flags) for dest in GPU_ONLY if GPU_ONLY[dest][0](getattr(args, dest, None))]
     refusals = [refusal for refusal in refusals if refusal]
     if own_providers:
-        from .megatron_lm_script import refused_features
+        from .script import refused_features
 
         refusals += [
             f"{feature}: megatron-zb's GPT providers (no Megatron-LM checkout) do not implement it; give your "
@@ -130,12 +130,12 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
 
 def unset_te_attention() -> str | None:
     """Unset Transformer Engine's attention variables for the ranks; the line saying so, or None when none was set."""
-    from . import megatron_lm_cpu
+    from . import cpu
 
-    found = megatron_lm_cpu.te_attention_settings()
+    found = cpu.te_attention_settings()
     if not found:
         return None
-    for name in megatron_lm_cpu.TE_ATTENTION_VARIABLES:
+    for name in cpu.TE_ATTENTION_VARIABLES:
         os.environ.pop(name, None)
     return (
         f"unset {', '.join(found)} (Transformer Engine's choice of attention kernel: a CPU runs megatron-core's own "
@@ -180,13 +180,13 @@ def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: in
     """Megatron-LM's ``validate_args``, then megatron-zb's schedule checks, as the ranks will run them."""
     from megatron.training.arguments import validate_args
 
-    from . import megatron_lm_cpu
-    from .megatron_lm import check_zero_bubble
+    from . import cpu
+    from .validation import check_zero_bubble
 
     args = parse_line(parser, argv)
     args.rank, args.world_size = 0, processes
-    megatron_lm_cpu.no_gpu_architecture()
-    megatron_lm_cpu.set_environment()
+    cpu.no_gpu_architecture()
+    cpu.set_environment()
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})

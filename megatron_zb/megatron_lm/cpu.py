@@ -22,7 +22,7 @@ assume a GPU in a few more places, each shimmed here to what a CPU process would
   as on a pre-Blackwell GPU; the CPU launcher sets it.
 
 ``enable()`` is idempotent and, like ``megatron_zb.cpu.enable()``, refuses a machine with CUDA. Every
-change is recorded in ``megatron_zb.megatron.patching`` (scope ``megatron-lm-cpu``); ``disable()`` undoes
+change is recorded in ``megatron_zb.patching`` (scope ``megatron-lm-cpu``); ``disable()`` undoes
 it and ``megatron_zb.cpu``'s shims: torch, megatron-core and Megatron-LM are then as they were found.
 """
 
@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from .megatron import patching
+from .. import patching
 
 _lock = threading.Lock()
 _SCOPE = patching.MEGATRON_LM_CPU
@@ -96,7 +96,7 @@ _DEFAULT_STREAM = _Stream()
 def enable() -> None:
     """Let Megatron-LM's initialize and training loop run on CPU in this process (idempotent)."""
     global _first
-    from . import cpu
+    from .. import cpu
 
     cpu.enable()
     with _lock:
@@ -108,7 +108,7 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo ``enable()``, ``megatron_zb.cpu``'s shims included."""
-    from . import cpu
+    from .. import cpu
 
     cpu.disable()  # undoes this module's scope first
 
@@ -243,7 +243,7 @@ def _cpu_model_parallel_seed(original):
     def model_parallel_cuda_manual_seed(seed: int, *args, **kwargs) -> None:
         from megatron.core import tensor_parallel
 
-        from . import cpu
+        from .. import cpu
 
         cpu.reset_rng_tracker()
         # Megatron-LM's load_checkpoint takes empty tracker states for a damaged checkpoint and exits

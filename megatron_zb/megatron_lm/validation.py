@@ -1,0 +1,69 @@
+"""megatron-zb's checks inside Megatron-LM's ``validate_args``: bad zero-bubble flags end the run before
+torch.distributed starts, and a placement Megatron-LM does not build itself (V) gets its arguments set."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+
+from .. import patching
+from ..megatron.args import schedule_settings, zero_bubble_notes
+from ..megatron.megatron_mapping import prepare_args
+from ..training.checks import writable_file
+
+
+def check_flags_before_init() -> None:
+    """Refuse bad zero-bubble flags in Megatron-LM's ``validate_args``, before torch.distributed starts.
+
+    Otherwise they fail at the first ``get_forward_backward_func()`` call, on every rank, after
+    the process groups, model and optimizer were built. For a placement megatron does not build
+    itself (V) it also sets the arguments Megatron-LM builds the chunks from
+    (``megatron_mapping.prepare_args``). Wraps the ``validate_args`` that
+    ``initialize_megatron`` calls right after parsing, and the one in ``megatron.training.arguments``
+    where newer checkouts parse before ``pretrain()``; calling this again does nothing.
+    """
+    from megatron.training import initialize
+
+    with contextlib.suppress(ImportError):
+        importlib.import_module("megatron.training.arguments")
+    modules = [initialize, sys.modules.get("megatron.training.arguments")]
+    for module in modules:
+        validate_args = getattr(module, "validate_args", None)
+        if validate_args is not None and not getattr(validate_args, "megatron_zb_checked", False):
+            patching.replace(module, "validate_args", _checked(validate_args), patching.MEGATRON)
+
+
+def _checked(validate_args):
+    """Megatron-LM's validate_args, then ours: runs before torch.distributed is initialised."""
+
+    def validate(args, *rest, **kwargs):
+        found = validate_args(args, *rest, **kwargs)
+        checked = found if found is not None else args
+        try:
+            check_zero_bubble(checked)
+        except ValueError as error:
+            raise SystemExit(f"megatron-zb: {error}") from None
+        if getattr(checked, "rank", 0) == 0:
+            for note in zero_bubble_notes(checked):
+                print(f"megatron-zb: note: {note}", file=sys.stderr, flush=True)
+        return found
+
+    validate.megatron_zb_checked = True
+    return validate
+
+
+def check_zero_bubble(args: argparse.Namespace) -> None:
+    """megatron-zb's checks of Megatron-LM's validated arguments; sets what a foreign placement needs (V)."""
+    settings = schedule_settings(args)
+    if settings is None:
+        return
+    if settings.costs_file:
+        writable_file("--zero-bubble-save-costs", settings.costs_file)
+    if len(settings.placements) > 1:
+        raise ValueError(
+            f"{settings.schedule} runs {len(settings.placements)} pipelines in opposite directions; Megatron-LM's "
+            "get_model builds one: run it with `megatron-zb train` (megatron-zb's own training loop)"
+        )
+    prepare_args(args, settings.placement, settings.schedule)
