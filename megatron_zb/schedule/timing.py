@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .actions import spec
 from .costs import CostModel
@@ -60,6 +61,16 @@ class Encoding:
         return made_pass(kind, stage, microbatch, pipe)
 
 
+class PassFacts(NamedTuple):
+    """What ``Clock.place`` reads of every pass of one (kind, block): one entry of ``Model.passes``."""
+
+    rank: int  # the rank that runs it
+    inputs: tuple[tuple[int, bool], ...]  # (role row, crosses ranks) per input it waits for
+    writes: tuple[int, ...]  # role rows it fulfils; the first is its own end
+    time: float  # duration
+    memory: float  # memory it allocates (+) or frees (-)
+
+
 class Model:
     """What every compute pass costs, frees and waits for, per (kind, block): ``code // microbatches``.
 
@@ -90,8 +101,9 @@ class Model:
             raise ScheduleError(
                 "the timing model got a NaN or infinite time or memory: the costs must be finite numbers"
             )
-        # per (kind, block), what ``Clock.place`` reads: rank, inputs, roles written, time, memory
-        self.passes = list(zip(self.rank, self.inputs, self.writes, self.time, self.memory, strict=True))
+        self.passes = [
+            PassFacts(*facts) for facts in zip(self.rank, self.inputs, self.writes, self.time, self.memory, strict=True)
+        ]  # per (kind, block)
         self.remote = [any(cross for _, cross in needed) for needed in self.inputs]  # an input crosses ranks
         self.awaited = [kind not in DEFERRABLE for kind in COMPUTE for _ in enc.where]  # some pass waits for it
         self.roles = len(ROLES) * n * m
@@ -144,10 +156,11 @@ class Clock:
         """Run the pass as early as its rank and inputs allow; False (nothing placed) while an input has not ended."""
         end = self.end
         index, k = divmod(code, self.m)
-        r, inputs, writes, time, memory = self.passes[index]
+        facts = self.passes[index]
+        r = facts.rank
         t = ready = self.free[r]
         why = -1
-        for row, cross in inputs:
+        for row, cross in facts.inputs:
             done = end[row + k]
             if done < 0:
                 return False
@@ -162,10 +175,10 @@ class Clock:
             if idle > self.most_idle:
                 self.most_idle = idle
         self.start[code], self.cause[code] = ready, why
-        t = self.free[r] = ready + time
-        for row in writes:
+        t = self.free[r] = ready + facts.time
+        for row in facts.writes:
             end[row + k] = t
-        level = self.level[r] = self.level[r] + memory
+        level = self.level[r] = self.level[r] + facts.memory
         if level > self.peak[r]:
             self.peak[r] = level
         self.orders[r].append(code)
@@ -175,7 +188,7 @@ class Clock:
         """When the pass's inputs have arrived on its rank; None while one has not ended."""
         index, k = divmod(code, self.m)
         at, end = 0.0, self.end
-        for row, cross in self.passes[index][1]:
+        for row, cross in self.passes[index].inputs:
             arrival = end[row + k]
             if arrival < 0:
                 return None
@@ -186,14 +199,14 @@ class Clock:
     def mark(self, code: int, start: float) -> float:
         """Record that the pass ran from ``start`` (a decision made elsewhere); returns its end."""
         index, k = divmod(code, self.m)
-        _, _, writes, time, _ = self.passes[index]
-        for row in writes:
-            self.end[row + k] = start + time
-        return start + time
+        facts = self.passes[index]
+        for row in facts.writes:
+            self.end[row + k] = start + facts.time
+        return start + facts.time
 
     def ends(self, code: int) -> float:
         """When a placed pass ends."""
-        return self.end[self.passes[code // self.m][2][0] + code % self.m]
+        return self.end[self.passes[code // self.m].writes[0] + code % self.m]
 
     def spans(self) -> tuple[float, float]:
         """(stage span, makespan) of the passes placed: the longest rank, and first start to last end."""
@@ -237,9 +250,9 @@ def spans(
             while i < n:
                 code = order[i]
                 index, k = divmod(code, m)
-                _, needed, writes, time, _ = passes[index]
+                facts = passes[index]
                 ready = t
-                for row, cross in needed:
+                for row, cross in facts.inputs:
                     done = end[row + k]
                     if done < 0:
                         break
@@ -252,8 +265,8 @@ def spans(
                         first[r] = ready
                     if start is not None:
                         start[code] = ready
-                    t = ready + time
-                    for row in writes:
+                    t = ready + facts.time
+                    for row in facts.writes:
                         end[row + k] = t
                     i += 1
                     continue
