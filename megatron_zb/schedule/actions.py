@@ -14,15 +14,10 @@ them); host actions (releasing gathered weights) take no time and block nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from .ir import PassKind
-
-if TYPE_CHECKING:
-    from .costs import CostModel
 
 
 class Stream(str, Enum):
@@ -33,71 +28,73 @@ class Stream(str, Enum):
 
 @dataclass(frozen=True)
 class ActionSpec:
+    """One kind of action. Costs name ``CostModel`` fields (per full stage) instead of reading them, so
+    that this table needs nothing of ``costs.py``, which reads it. Every field but ``kind`` is given by
+    name; the defaults are a compute pass that waits for nothing special and costs nothing."""
+
     kind: PassKind
-    stream: Stream
+    _: KW_ONLY
     roles: tuple[str, ...]  # the roles it fulfils: B and W for BW, its own name for a per-stage action
-    backward: bool  # part of the backward work: dropped by forward-only runs, never speculated on
-    uses_weights: bool  # runs on the chunk's weights, so needs them gathered when the schedule shards them
-    gathers: int  # +1 gathers the chunk's weights (opens a window), -1 releases them, 0 neither
-    time: Callable[[CostModel, int], float]  # duration for a full stage (``stage`` = full-stage index)
-    memory: Callable[[CostModel, int], float]  # memory it allocates (+) or frees (-), for a full stage
-    grouped: bool  # a collective with the rank that holds the block's other copy (Schedule.shared)
     title: str  # legend text
     short: str  # one character, for narrow cells
     color: str  # SVG fill
     ansi: str  # terminal color
+    stream: Stream = Stream.COMPUTE
+    backward: bool = False  # part of the backward work: dropped by forward-only runs, never speculated on
+    uses_weights: bool = False  # runs on the chunk's weights, so needs them gathered when the schedule shards them
+    gathers: int = 0  # +1 gathers the chunk's weights (opens a window), -1 releases them, 0 neither
+    time: tuple[str, ...] = ()  # the CostModel times whose sum is its duration (none: it takes no time)
+    memory: str = ""  # the CostModel memory delta it applies (allocates +, frees -), if any
+    frees: str = ""  # the CostModel memory it releases (what another kind allocated), if any
+    grouped: bool = False  # a collective with the rank that holds the block's other copy (Schedule.shared)
 
     @property
     def compute(self) -> bool:
         return self.stream is Stream.COMPUTE
 
 
-def _none(costs: CostModel, stage: int) -> float:
-    return 0.0
-
-
 SPECS: dict[PassKind, ActionSpec] = {
     spec.kind: spec
     for spec in (
         ActionSpec(
-            PassKind.F, Stream.COMPUTE, ("F",), False, True, 0,
-            lambda c, s: c.t_f[s], lambda c, s: c.mem_f[s], False,
-            "F forward", "F", "#5b8def", "\x1b[34m",
+            PassKind.F, roles=("F",), uses_weights=True,
+            time=("t_f",), memory="mem_f",
+            title="F forward", short="F", color="#5b8def", ansi="\x1b[34m",
         ),
         ActionSpec(
-            PassKind.B, Stream.COMPUTE, ("B",), True, True, 0,
-            lambda c, s: c.t_b[s], lambda c, s: c.mem_b[s], False,
-            "B input grad", "B", "#f2a541", "\x1b[33m",
+            PassKind.B, roles=("B",), backward=True, uses_weights=True,
+            time=("t_b",), memory="mem_b",
+            title="B input grad", short="B", color="#f2a541", ansi="\x1b[33m",
         ),
         ActionSpec(  # W only adds to gradients: it needs none of the chunk's weights gathered
-            PassKind.W, Stream.COMPUTE, ("W",), True, False, 0,
-            lambda c, s: c.t_w[s], lambda c, s: c.mem_w[s], False,
-            "W weight grad", "W", "#5cb85c", "\x1b[32m",
+            PassKind.W, roles=("W",), backward=True,
+            time=("t_w",), memory="mem_w",
+            title="W weight grad", short="W", color="#5cb85c", ansi="\x1b[32m",
         ),
         ActionSpec(
-            PassKind.BW, Stream.COMPUTE, ("B", "W"), True, True, 0,
-            lambda c, s: c.t_b[s] + c.t_w[s], lambda c, s: -c.mem_f[s], False,
-            "BW fused B+W", "X", "#b07cd8", "\x1b[35m",
+            PassKind.BW, roles=("B", "W"), backward=True, uses_weights=True,
+            time=("t_b", "t_w"), frees="mem_f",
+            title="BW fused B+W", short="X", color="#b07cd8", ansi="\x1b[35m",
         ),
         ActionSpec(
-            PassKind.UNSHARD, Stream.COLLECTIVE, ("UNSHARD",), False, False, 1,
-            lambda c, s: c.t_dp[s], lambda c, s: c.mem_param[s], False,
-            "UNSHARD gather weights", "U", "#8fa3b8", "\x1b[36m",
+            PassKind.UNSHARD, roles=("UNSHARD",), stream=Stream.COLLECTIVE, gathers=1,
+            time=("t_dp",), memory="mem_param",
+            title="UNSHARD gather weights", short="U", color="#8fa3b8", ansi="\x1b[36m",
         ),
         ActionSpec(
-            PassKind.RESHARD, Stream.HOST, ("RESHARD",), False, False, -1,
-            _none, lambda c, s: -c.mem_param[s], False,
-            "RESHARD release weights", "r", "#c9d3dd", "\x1b[36m",
+            PassKind.RESHARD, roles=("RESHARD",), stream=Stream.HOST, gathers=-1,
+            frees="mem_param",
+            title="RESHARD release weights", short="r", color="#c9d3dd", ansi="\x1b[36m",
         ),
         ActionSpec(
-            PassKind.REDUCE_GRAD, Stream.COLLECTIVE, ("REDUCE_GRAD",), True, False, 0,
-            lambda c, s: c.t_dp[s], _none, False,
-            "REDUCE_GRAD reduce grads", "R", "#d9534f", "\x1b[31m",
+            PassKind.REDUCE_GRAD, roles=("REDUCE_GRAD",), stream=Stream.COLLECTIVE, backward=True,
+            time=("t_dp",),
+            title="REDUCE_GRAD reduce grads", short="R", color="#d9534f", ansi="\x1b[31m",
         ),
         ActionSpec(  # the two copies' gradients averaged on the pair of ranks that hold them
-            PassKind.REPLICA_SYNC, Stream.COLLECTIVE, ("REPLICA_SYNC",), True, False, 0,
-            lambda c, s: c.t_dp[s], _none, True,
-            "REPLICA_SYNC sync replica grads", "S", "#e0a030", "\x1b[33m",
+            PassKind.REPLICA_SYNC, roles=("REPLICA_SYNC",), stream=Stream.COLLECTIVE, backward=True, grouped=True,
+            time=("t_dp",),
+            title="REPLICA_SYNC sync replica grads", short="S", color="#e0a030", ansi="\x1b[33m",
         ),
     )
 }  # fmt: skip

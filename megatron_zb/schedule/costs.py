@@ -98,10 +98,18 @@ class CostModel:
                 )
 
     def duration(self, p: Pass, placement: Placement) -> float:
-        return spec(p.kind).time(self, placement.full_stage(p.stage)) / placement.chunks
+        """The pass's time: the fields its ``ActionSpec.time`` names, summed, for its share of a stage."""
+        stage = placement.full_stage(p.stage)
+        return sum(getattr(self, name)[stage] for name in spec(p.kind).time) / placement.chunks
 
     def memory_delta(self, p: Pass, placement: Placement) -> float:
-        return spec(p.kind).memory(self, placement.full_stage(p.stage)) / placement.chunks
+        """What the pass allocates (+) or frees (-), as its ``ActionSpec`` names it, for its share of a stage."""
+        kind, stage = spec(p.kind), placement.full_stage(p.stage)
+        if kind.memory:
+            return getattr(self, kind.memory)[stage] / placement.chunks
+        if kind.frees:
+            return -getattr(self, kind.frees)[stage] / placement.chunks
+        return 0.0
 
     def work_per_microbatch(self, stage: int) -> float:
         return self.t_f[stage] + self.t_b[stage] + self.t_w[stage]

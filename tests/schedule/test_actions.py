@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from megatron_zb.schedule import CostModel, Pass, PassKind, Schedule, ScheduleSpec, build, names, simulate, validate
+from megatron_zb.schedule.actions import SPECS
 from megatron_zb.schedule.ir import ScheduleError, parse_orders
 from megatron_zb.schedule.lower import DataParallel, add_gathers, add_reduce_grad, lower
 from megatron_zb.schedule.placement import interleaved, linear
@@ -144,3 +147,12 @@ def test_lowering_refuses_a_lowered_schedule():
     assert add_gathers(build("1f1b", ScheduleSpec(2, 2)), per_run=True, prefetch=0).orders[0][0] == Pass(
         PassKind.UNSHARD, 0, 0
     )
+
+
+def test_every_action_cost_names_a_per_stage_cost_model_field():
+    """``ActionSpec`` names the ``CostModel`` fields it costs: a misspelt one fails only when that kind is timed."""
+    per_stage = {f.name for f in fields(CostModel)} - {"pp", "t_comm"}
+    for kind, action in SPECS.items():
+        named = {*action.time, action.memory, action.frees} - {""}
+        assert named <= per_stage, (kind, named - per_stage)
+        assert not (action.memory and action.frees), kind  # one memory effect per kind
