@@ -1,6 +1,7 @@
-"""Data-parallel backends driven by the planned UNSHARD / RESHARD / REDUCE_GRAD actions (see backend.py)."""
+"""Data-parallel backends driven by the planned UNSHARD / RESHARD / REDUCE_GRAD actions (contract: base.py)."""
 
-from .backend import DataParallelBackend, DataParallelPlanError, Handle, Ready, backend_for
+from .backend import backend_for
+from .base import DataParallelBackend, DataParallelPlanError, Handle, Ready
 from .fsdp2 import FSDP2Backend, missing_fsdp2_features
 from .megatron_ddp import MegatronDDPBackend
 

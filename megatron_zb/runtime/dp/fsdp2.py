@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from ...schedule.lower import DataParallel
-from .backend import DataParallelPlanError, Handle
+from .base import DataParallelPlanError, Handle
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
 PUBLIC_METHODS = (

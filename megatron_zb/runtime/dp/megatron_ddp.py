@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ...schedule.lower import DataParallel
-from .backend import DataParallelPlanError, Handle, Ready
+from .base import DataParallelPlanError, Handle, Ready
 from .replicas import sum_replica_grads
 
 
