@@ -15,6 +15,12 @@ megatron-core's conventions (iterators, groups, shapes, loss shipping, refusals)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Schedule, ScheduleError, ScheduleSpec
@@ -35,7 +41,7 @@ from .megatron_contract import (
     ship_to_last_rank,
 )
 from .p2p import DEFAULT_TIMEOUT_S, PipeComm
-from .profiler import NestedProfilers
+from .profiler import NestedProfilers, PassProfiler
 from .replan import Replanner, ReplanReport, ReplanWindow
 from .replay import Replay
 from .run_plan import RunPlan, RunPlans, Setting, broadcast_schedule
@@ -103,7 +109,7 @@ class ForwardBackward:
 
     def _setting(self, pp: int, microbatches: int, chunks: int | None) -> Setting:
         chunks = chunks if chunks is not None else self.chunks
-        return (pp, microbatches, chunks or 0)
+        return Setting(pp, microbatches, chunks or None)  # 0 chunks asked for: the default too
 
     def _plan_schedule(self, pp: int, microbatches: int, chunks: int | None) -> Schedule:
         spec = self._spec(pp, microbatches, chunks if chunks is not None else self.chunks, self.costs)
@@ -157,57 +163,129 @@ class ForwardBackward:
         force_all_reduce: bool | None = False,
         **newer_arguments,
     ) -> list:
+        """One call in phases: plan it, build the forward context, run this rank's passes, finalize the
+        gradients (timed by megatron-core's timer, when it has one), re-plan when measured, return the losses."""
+        call = self._begin(
+            model,
+            data_iterator,
+            num_microbatches,
+            seq_length,
+            micro_batch_size,
+            adjust_tensor_shapes_fn,
+            forward_only,
+            pg_collection,
+        )
+        ctx = self._forward_context(call, forward_step_func, collect_non_loss_data, first_val_step)
+        with _megatron_timer(call.config):
+            self._run_passes(call, ctx)
+            self._finalize_grads(call, ctx, pg_collection, force_all_reduce)
+        self._replan_if_measured(call)
+        return self._losses(call, ctx)
+
+    def _begin(
+        self,
+        model,
+        data_iterator,
+        microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        adjust_tensor_shapes_fn,
+        forward_only: bool,
+        pg_collection,
+    ) -> _Call:
+        """Everything decided before the first pass: the plan, the backend and the boundary shape (refusing
+        what this runtime cannot run), the replanner's timer, and where a pending optimizer step is checked."""
         models = list(model) if isinstance(model, list) else [model]
         iterators = per_chunk_iterators(data_iterator, len(models))
         config = model_config(models[0])
         refuse_unsupported(config, models[0])
         groups = process_groups(pg_collection)
-        schedule = self._schedule_for_models(groups, num_microbatches, models)
+        schedule = self._schedule_for_models(groups, microbatches, models)
         backend = self.last_backend = backend_for(config, models, forward_only)
-        setting = self._setting(groups.pp.size(), num_microbatches, len(models) if len(models) > 1 else None)
+        setting = self._setting(groups.pp.size(), microbatches, len(models) if len(models) > 1 else None)
         run = self._plans.run_plan(setting, backend.lowering, groups.pp, self.costs)
         if schedule.shared:
             backend.replica_groups = run.replica_groups
         shape = boundary_shape(config, seq_length, micro_batch_size, groups, adjust_tensor_shapes_fn)
         device = next(models[0].parameters()).device
         timer = self.replanner.begin(device) if self.replanner is not None and not forward_only else None
-        check = _prefix_check(config, run, forward_only)
-        if check is not None:
+        return _Call(
+            models=models,
+            iterators=iterators,
+            microbatches=microbatches,
+            forward_only=forward_only,
+            config=config,
+            groups=groups,
+            schedule=schedule,
+            setting=setting,
+            run=run,
+            backend=backend,
+            shape=shape,
+            device=device,
+            timer=timer,
+            check=_prefix_check(config, run, forward_only),
+        )
+
+    def _forward_context(
+        self, call: _Call, forward_step_func, collect_non_loss_data: bool, first_val_step: bool | None
+    ) -> steps.ForwardContext:
+        """What every forward reads; its iterators replayable when a checked prefix may be redone."""
+        iterators = call.iterators
+        if call.check is not None:
             iterators = [None if iterator is None else Replay(iterator) for iterator in iterators]
         linear_split.install()
         ctx = steps.ForwardContext(
-            forward_step_func, iterators, models, num_microbatches, config, groups.cp_size, collect_non_loss_data
+            forward_step_func,
+            iterators,
+            call.models,
+            call.microbatches,
+            call.config,
+            call.groups.cp_size,
+            collect_non_loss_data,
         )
-        ctx.partial_chunks = run.partial_chunks
-        if first_val_step is not None and forward_only:
+        ctx.partial_chunks = call.run.partial_chunks
+        if first_val_step is not None and call.forward_only:
             ctx.mark_first_microbatch = bool(first_val_step)
-        timers = getattr(config, "timers", None)
-        if timers is not None:
-            timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
-        with grad_sync_disabled(config, models, forward_only):
-            executor = self._executor(run, groups, ctx, shape, forward_only, timer, check, backend)
+        return ctx
+
+    def _run_passes(self, call: _Call, ctx: steps.ForwardContext) -> None:
+        """This rank's passes in plan order, megatron-core's own gradient sync held off while they run."""
+        with grad_sync_disabled(call.config, call.models, call.forward_only):
+            executor = self._executor(
+                call.run, call.groups, ctx, call.shape, call.forward_only, call.timer, call.check, call.backend
+            )
             executor.run()
             self.redone_prefixes += executor.redone
-            backend.finish()
+            call.backend.finish()
         ctx.finish_reading()
-        if not forward_only and config.finalize_model_grads_func is not None:
-            num_tokens = (
-                loss_rank_tokens(ctx.num_tokens, groups.pp, device) if config.calculate_per_token_loss else None
-            )
-            config.finalize_model_grads_func(
-                models, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
-            )
-        if timers is not None:
-            timers("forward-backward").stop()
-        if timer is not None and self.replanner.finish(schedule):
-            self._replan(setting, schedule, groups.pp, shape, config.pipeline_dtype or config.params_dtype)
+
+    def _finalize_grads(self, call: _Call, ctx: steps.ForwardContext, pg_collection, force_all_reduce) -> None:
+        """megatron-core's ``finalize_model_grads_func`` after a training call, with the loss rank's token count."""
+        config = call.config
+        if call.forward_only or config.finalize_model_grads_func is None:
+            return
+        num_tokens = (
+            loss_rank_tokens(ctx.num_tokens, call.groups.pp, call.device) if config.calculate_per_token_loss else None
+        )
+        config.finalize_model_grads_func(
+            call.models, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
+        )
+
+    def _replan_if_measured(self, call: _Call) -> None:
+        """Once the replanner's window has timed enough calls: re-plan with what it measured."""
+        if call.timer is not None and self.replanner.finish(call.schedule):
+            dtype = call.config.pipeline_dtype or call.config.params_dtype
+            self._replan(call.setting, call.schedule, call.groups.pp, call.shape, dtype)
+
+    def _losses(self, call: _Call, ctx: steps.ForwardContext) -> list:
+        """The loss dicts, on the last pipeline rank when asked (Megatron-LM logs them only there)."""
         if self.losses_to_last_rank:
-            return ship_to_last_rank(ctx.forward_data_store, schedule, groups.pp, device)
+            return ship_to_last_rank(ctx.forward_data_store, call.schedule, call.groups.pp, call.device)
         return ctx.forward_data_store
 
     def _replan(self, setting: Setting, schedule: Schedule, pipeline: dist.ProcessGroup, shape, dtype) -> None:
         """Swap in the plan for measured costs (same placement) on every rank at once."""
-        chunks = setting[2] if setting[2] > 1 else None
+        chunks = setting.chunks if setting.chunks is not None and setting.chunks > 1 else None
 
         def plan(costs: CostModel) -> Schedule:
             return build_schedule(self.name, self._spec(schedule.pp, schedule.microbatches, chunks, costs))
@@ -271,6 +349,38 @@ class ForwardBackward:
         # gloo matches each (peer, direction) in order, so receives can be posted early; NCCL
         # serialises a pair's sends and receives on one stream, so post them where they fall.
         return 2 if dist.get_backend(group) == "gloo" else 0
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's choices, made before its first pass (``_begin``) and read by every phase after it."""
+
+    models: list[torch.nn.Module]  # the model chunks of this rank
+    iterators: list  # one data iterator per chunk (None where a chunk reads none)
+    microbatches: int
+    forward_only: bool
+    config: Any  # megatron-core's ModelParallelConfig of the chunks
+    groups: Groups
+    schedule: Schedule
+    setting: Setting
+    run: RunPlan
+    backend: DataParallelBackend
+    shape: tuple[int, ...]  # of the tensors crossing stage boundaries
+    device: torch.device
+    timer: PassProfiler | None  # the replanner's pass timer while its window measures this call
+    check: PrefixCheck | None  # where a pending optimizer step is checked (None: none pending)
+
+
+@contextmanager
+def _megatron_timer(config) -> Iterator[None]:
+    """megatron-core's "forward-backward" timer around the passes and gradient finalization, when it has one."""
+    timers = getattr(config, "timers", None)
+    if timers is None:
+        yield
+        return
+    timers("forward-backward", log_level=1).start(barrier=getattr(config, "barrier_with_L1_time", False))
+    yield
+    timers("forward-backward").stop()
 
 
 def _prefix_check(config, run: RunPlan, forward_only: bool) -> PrefixCheck | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -23,7 +24,13 @@ from ..schedule.speculation import Speculation, speculation
 from .dp.replicas import replica_groups
 from .executor import PrefixCheck, RankPlan, plan_rank
 
-Setting = tuple[int, int, int]  # (pp, microbatches, chunks per rank or 0 for the generator's default)
+
+class Setting(NamedTuple):
+    """What a schedule is planned for; the key every schedule and run plan is cached under."""
+
+    pp: int
+    microbatches: int
+    chunks: int | None  # model chunks per rank; None: the generator's own default
 
 
 @dataclass

@@ -50,9 +50,9 @@ class Pipeline:
 
 
 def test_a_replan_drops_every_run_plan_of_the_old_schedule():
-    from megatron_zb.runtime.run_plan import RunPlans
+    from megatron_zb.runtime.run_plan import RunPlans, Setting
 
-    plans, pipeline, setting = RunPlans(), Pipeline(1), (2, M, 0)
+    plans, pipeline, setting = RunPlans(), Pipeline(1), Setting(2, M, chunks=None)
     old, new = read_json(schedule_json(ONE_F_ONE_B), "1f1b"), read_json(schedule_json(GPIPE), "gpipe")
     plans.schedule(setting, lambda: old)
     before = plans.run_plan(setting, DataParallel(), pipeline, None)
