@@ -99,7 +99,7 @@ class Checked:
 
 def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
     """Refuse (ValueError) what a CPU launch of ``argv`` cannot run; what to add, and the line's timeout."""
-    from .megatron.args import add_args
+    from ..megatron.args import add_args
 
     parser = megatron_lm_parser(add_args)
     if parser is None:
