@@ -57,6 +57,8 @@ _lock = threading.RLock()
 
 
 def _own(owner: object, name: str) -> object:
+    if name == "__class__":  # an instance's class is its own, never inherited (a swap records the class found)
+        return type(owner)
     try:
         namespace = vars(owner)
     except TypeError:  # no __dict__

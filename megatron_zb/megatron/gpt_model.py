@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
 
+from .. import patching
 from ..schedule.placement import Placement
 from .layout import PlacementLayerLayout, layer_layout
 from .megatron_mapping import uses_megatron_mapping
@@ -346,10 +347,20 @@ class PlacementFloat16Module(Float16Module):
         return outputs
 
 
-def fix_float16_output_cast(wrapped_chunks: list, placement: Placement, rank: int) -> list:
-    """Turn the Float16Module inside each chunk (DDP may wrap it) into a PlacementFloat16Module, in place.
+def float16_chunks(config, chunks: list, placement: Placement, rank: int) -> list:
+    """megatron-zb's own build: each chunk in a PlacementFloat16Module casting where ``placement`` needs it."""
+    first, last = embedding_chunk(placement, rank), loss_chunk(placement, rank)
+    return [
+        PlacementFloat16Module(config, chunk, casts_input=index == first, casts_output=index == last)
+        for index, chunk in enumerate(chunks)
+    ]
 
-    Chunks without a Float16Module (fp32 runs) are left alone. Returns ``wrapped_chunks``.
+
+def fix_float16_output_cast(wrapped_chunks: list, placement: Placement, rank: int) -> list:
+    """Megatron-LM's build: the Float16Module inside each chunk (DDP may wrap it) becomes a PlacementFloat16Module.
+
+    The class is swapped in place under the ``megatron-lm`` scope (Megatron-LM built the chunks; undone when its
+    ``pretrain()`` returns). Chunks without a Float16Module (fp32 runs) are left alone. Returns ``wrapped_chunks``.
     """
     first, last = embedding_chunk(placement, rank), loss_chunk(placement, rank)
     for index, chunk in enumerate(wrapped_chunks):
@@ -360,6 +371,6 @@ def fix_float16_output_cast(wrapped_chunks: list, placement: Placement, rank: in
             continue
         if type(module) not in (Float16Module, PlacementFloat16Module):
             raise TypeError(f"chunk {index} wraps a {type(module).__name__}; only megatron's Float16Module is fixed")
-        module.__class__ = PlacementFloat16Module
+        patching.replace(module, "__class__", PlacementFloat16Module, patching.MEGATRON_LM)
         module.casts_input, module.casts_output = index == first, index == last
     return wrapped_chunks

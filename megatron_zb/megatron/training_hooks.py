@@ -64,6 +64,7 @@ def _optimizer(original, settings):
                 parallel_state.get_pipeline_model_parallel_group(),
                 mode=found.post_validation_rollback,
                 timeout_s=found.p2p_timeout_s,
+                scope=patching.MEGATRON_LM,  # undone when Megatron-LM's pretrain() returns
             )
         return optimizer
 

@@ -249,7 +249,7 @@ def _cpu_model_parallel_seed(original):
         # Megatron-LM's load_checkpoint takes empty tracker states for a damaged checkpoint and exits
         # (sys.exit(), status 0) without loading: the no-op tracker saves one placeholder state instead.
         tracker = tensor_parallel.get_cuda_rng_tracker()
-        tracker.get_states = lambda: {CPU_TRACKER_STATE: torch.empty(0, dtype=torch.uint8)}
+        patching.replace(tracker, "get_states", lambda: {CPU_TRACKER_STATE: torch.empty(0, dtype=torch.uint8)}, _SCOPE)
 
     model_parallel_cuda_manual_seed.megatron_zb_cpu = True
     return model_parallel_cuda_manual_seed

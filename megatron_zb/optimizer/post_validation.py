@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import patching
 from ..compat import grads_for_grad_norm, separate_grad_norm_params
 from ..runtime.forward_backward import CONFIG_ATTRIBUTE
 from ..runtime.p2p import DEFAULT_TIMEOUT_S
@@ -70,7 +71,13 @@ class PostValidation:
     """
 
     def __init__(
-        self, optimizer, model: list, pipeline_group, mode: str = "exact", timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        optimizer,
+        model: list,
+        pipeline_group,
+        mode: str = "exact",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        scope: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"post-validation mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -94,15 +101,18 @@ class PostValidation:
         self.steps = 0
         self.pending: _Pending | None = None
         self.reports: list[StepReport] = []
-        optimizer.step = self.step
+        # The optimizer's (and the scheduler's) methods are replaced under ``scope``: close() puts them back, or
+        # the owner of the scope does (Megatron-LM's: when pretrain() returns).
+        self.scope = scope or f"post-validation#{id(self)}"
+        patching.replace(optimizer, "step", self.step, self.scope)
         for name in SETTLED_BEFORE:  # a checkpoint holds validated parameters only
             if hasattr(optimizer, name):
-                setattr(optimizer, name, self._settled(getattr(optimizer, name)))
+                patching.replace(optimizer, name, self._settled(getattr(optimizer, name)), self.scope)
         optimizer.post_validation = self
         from megatron.core.utils import get_model_config
 
-        for chunk in model:
-            setattr(get_model_config(chunk), CONFIG_ATTRIBUTE, self)
+        for chunk in model:  # how the runtime finds this post-validation (its schedule runs the chain)
+            patching.replace(get_model_config(chunk), CONFIG_ATTRIBUTE, self, self.scope)
 
     def _settled(self, method):
         def settled(*args, **kwargs):
@@ -235,12 +245,13 @@ class PostValidation:
                 self._scheduler_increments[self.pending.step] = increment
             self._original_scheduler_step(increment)
 
-        scheduler.step = step
+        patching.replace(scheduler, "step", step, self.scope)
 
     def close(self) -> None:
         """Settle the last step and wait for the last messages (end of training)."""
         self.settle()
         self.chain.finish_sends()
+        patching.undo(self.scope)
 
 
 def _device(subs: list) -> torch.device:

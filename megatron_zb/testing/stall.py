@@ -23,6 +23,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .. import patching
+
+SCOPE = "stall"  # the faults this rank installed (it ends with its run)
+
 STALL_POINTS = ("grad-norm", "save", "pass", "send", "forward")
 HOW = ("sleep", "sigstop")
 
@@ -73,7 +77,7 @@ def _install(fault: dict) -> None:
                 _stall(fault)
             return norm(*args, **kwargs)
 
-        optimizer.get_grad_norm_fp32 = stalled_norm
+        patching.replace(optimizer, "get_grad_norm_fp32", stalled_norm, SCOPE)
     elif at == "save":  # before this rank writes its files (the others wait in the save's barrier)
         from ..training import checkpoint
 
@@ -84,7 +88,7 @@ def _install(fault: dict) -> None:
                 _stall(fault)
             return save(directory, at_iteration, *args, **kwargs)
 
-        checkpoint.save_checkpoint = stalled_save
+        patching.replace(checkpoint, "save_checkpoint", stalled_save, SCOPE)
     elif at == "pass":  # computing a forward pass, e.g. "F s2 mb3"
         from ..runtime import steps
         from ..runtime.activity import activity
@@ -107,7 +111,7 @@ def _install(fault: dict) -> None:
                 _stall(fault)
             return post(self, recvs, sends)
 
-        PipeComm.post = stalled_post
+        patching.replace(PipeComm, "post", stalled_post, SCOPE)
     elif at == "forward":  # the call-th model forward of the iteration, under any schedule
         _install_forward(fault, iteration)
     else:
@@ -126,7 +130,7 @@ def _install_forward(fault: dict, iteration: int) -> None:
             _stall(fault)
         return forward(self, *args, **kwargs)
 
-    GPTModel.forward = stalled_forward
+    patching.replace(GPTModel, "forward", stalled_forward, SCOPE)
 
 
 # A small GPT that every drawn stall trains (pp and the schedule are drawn): 4 microbatches of 2 samples.

@@ -146,9 +146,8 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.transformer.module import Float16Module
 
-    from ..megatron.gpt_model import build_pipes, fix_float16_output_cast, tied_embedding_finalize
+    from ..megatron.gpt_model import build_pipes, float16_chunks, tied_embedding_finalize
     from ..megatron.init import placement_independent_init
 
     config = transformer_config(args, gloo)
@@ -168,11 +167,11 @@ def build(args: argparse.Namespace, device: torch.device, gloo: bool) -> Trainee
     placement_independent_init(chunks, config, args.seed)
     chunks = [chunk.to(device) for chunk in chunks]
     if args.fp16 or args.bf16:
-        chunks = [Float16Module(config, chunk) for chunk in chunks]
-        offset = 0
+        wrapped, offset = [], 0
         for placement in args.placements:  # each pipe's chunks, after the pipes before it
-            fix_float16_output_cast(chunks[offset : offset + placement.chunks], placement, rank)
+            wrapped += float16_chunks(config, chunks[offset : offset + placement.chunks], placement, rank)
             offset += placement.chunks
+        chunks = wrapped
     if getattr(args, "zero_bubble_order_independent_dropout", False):
         from ..megatron.dropout_keys import install
 

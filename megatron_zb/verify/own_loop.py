@@ -217,7 +217,9 @@ def _inject_wrong_gradient(trainee, iteration: int) -> None:
             param.main_grad.mul_(1.01)
         return step(*args, **kwargs)
 
-    trainee.optimizer.step = wrong_step
+    from .. import patching
+
+    patching.replace(trainee.optimizer, "step", wrong_step, "verify-fault")  # this rank's run only
 
 
 def _gradient_checksums(trainee) -> dict[str, list[float]]:

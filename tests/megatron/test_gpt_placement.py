@@ -307,6 +307,7 @@ def run_bf16(pp: int = 2) -> dict:
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_zb import patching
     from megatron_zb.megatron.gpt_model import PlacementFloat16Module, fix_float16_output_cast, loss_chunk
     from megatron_zb.runtime import ForwardBackward
     from megatron_zb.testing.toy_gpt import ToyGPT
@@ -327,6 +328,8 @@ def run_bf16(pp: int = 2) -> dict:
         outcome[f"{name}_loss_chunk"] = loss_chunk(placement, rank)
         losses = toy.step(runner, wrapped, toy.batches(M, stream=parallel_state.get_data_parallel_rank()))
         outcome[name] = [float(d["lm loss"][0]) for d in losses]
+        patching.undo(patching.MEGATRON_LM)  # the swap is Megatron-LM's run's: undone with it
+        assert all(type(w) is Float16Module for w in wrapped)
     outcome["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
     outcome["dp_rank"] = parallel_state.get_data_parallel_rank()
     return outcome
