@@ -29,7 +29,7 @@ def pool_losses(pool: WorkerPool, args: argparse.Namespace) -> dict[int, float]:
 
 
 def launcher_probe(rank: int, launcher, folder: str, name: str) -> None:
-    """A ``pretrain_gpt.start_ranks`` worker: writes what ``name`` reads in its environment to folder/rank, and
+    """A ``training.spawn.start_ranks`` worker: writes what ``name`` reads in its environment to folder/rank, and
     prints it to its stdout."""
     import os
     from pathlib import Path
@@ -41,7 +41,7 @@ def launcher_probe(rank: int, launcher, folder: str, name: str) -> None:
 
 
 def preloaded_probe(rank: int, launcher, folder: str, module: str) -> None:
-    """A ``pretrain_gpt.start_ranks`` worker: writes to folder/rank where the fork server imported ``module``
+    """A ``training.spawn.start_ranks`` worker: writes to folder/rank where the fork server imported ``module``
     from, before the rank touches ``sys.path`` ("(not preloaded)" when it did not)."""
     import sys
     from pathlib import Path

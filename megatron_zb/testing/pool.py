@@ -118,7 +118,7 @@ class WorkerPool:
             ready.add(rank)
 
     def _spawn(self) -> None:
-        """The ranks are forks of the launcher's fork server (``pretrain_gpt.RANK_IMPORTS`` imported once):
+        """The ranks are forks of the launcher's fork server (``training.spawn.RANK_IMPORTS`` imported once):
         a pool replaced after a case that left too many threads starts in a second, not 6 s of imports a rank."""
         from ..training import fork_server
         from ..training.spawn import RANK_IMPORTS

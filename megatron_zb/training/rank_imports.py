@@ -2,7 +2,7 @@
 
 Spawned ranks each imported torch and megatron-core themselves: 6-9 CPU seconds per rank, more
 than a short CPU run trains, and on a 2-core machine the ranks' imports queue behind each other.
-``pretrain_gpt.start_ranks`` starts them with the ``forkserver`` method instead: a fresh process
+``training.spawn.start_ranks`` starts them with the ``forkserver`` method instead: a fresh process
 imports this module (no threads, no process group, nothing patched), and every rank is a fork of
 it. Importing is all this module does: megatron-core's model, DDP, optimizer, checkpointing and
 schedules, and megatron-zb's training loop, as a rank builds and runs them.

@@ -154,7 +154,7 @@ def _spawn(reference: argparse.Namespace, theirs: argparse.Namespace, folder: Pa
 def _worker(
     rank: int, launcher, reference, theirs, port: int, path: list[str], folder: str, inject: int | None
 ) -> None:
-    launcher.apply()  # pretrain_gpt.Launcher
+    launcher.apply()  # training.spawn.Launcher
     sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(theirs.world_size))
     import warnings

@@ -1,4 +1,4 @@
-"""``--cpu`` ranks are forks of a fork server (``pretrain_gpt.start_ranks``), which outlives one start:
+"""``--cpu`` ranks are forks of a fork server (``training.spawn.start_ranks``), which outlives one start:
 each rank takes its launcher's environment, stdout and stderr as they are when it starts."""
 
 from __future__ import annotations

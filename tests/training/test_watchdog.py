@@ -119,7 +119,7 @@ def test_sigint_ends_every_rank(tmp_path: Path) -> None:
         for line in launcher.stdout:  # wait until training runs
             if "iteration        2/" in line:
                 break
-        # the ranks are forks of the launcher's fork server (pretrain_gpt.start_ranks)
+        # the ranks are forks of the launcher's fork server (training.spawn.start_ranks)
         servers = [pid for pid in children(launcher.pid) if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         ranks = [pid for server in servers for pid in children(server)]
         sent = time.monotonic()
