@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` as a device,
 ``device="cuda"`` tensors in the optimizer and the schedules, ``.cuda()`` copies,
-``Tensor.type()`` checks, a CUDA RNG tracker). ``enable()`` maps all of them to the CPU.
+``Tensor.type()`` checks, a CUDA RNG tracker, the MoE AlltoAll dispatcher's side stream).
+``enable()`` maps all of them to the CPU.
 It is applied only when asked, and refuses to run where CUDA is available. Every change is
 recorded in ``megatron_zb.patching`` (scope ``cpu``), the function mode included, and
 ``disable()`` undoes it: torch and megatron-core are then as they were found.
@@ -100,10 +101,75 @@ def enable() -> None:
         patching.replace_everywhere(
             utils.get_default_causal_mask, _causal_mask, "get_default_causal_mask", patching.CPU
         )
+        _moe()
         _mode = patching.enter_mode(_CudaToCpu(), patching.CPU)
         for name in ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
             patching.remember(random, name, patching.CPU)  # reset below and on every model-parallel seed
     reset_rng_tracker()
+
+
+def _moe() -> None:
+    """What megatron-core's MoE layers need on top of the shims above (none of it changes the math).
+
+    - The AlltoAll dispatcher creates one ``torch.cuda.Stream()`` for all its instances (a class
+      attribute, made when still None) and copies token counts to the host on it: an inert stream
+      is put there first, so CPU ops keep their program order.
+    - It copies the all-to-all split sizes to the host as numpy arrays (``maybe_move_tensor_to_cpu(...,
+      as_numpy=True)``), a no-op for tensors already on the CPU: ``all_to_all_single`` then gets tensors,
+      which it refuses. They get the numpy arrays a GPU run gets.
+    - 0.16.1's moe_utils binds ``te_general_gemm`` only when Transformer Engine imports (0.19 binds
+      None otherwise), so the router's gating GEMM raises NameError without TE: None makes it take
+      its torch.mm path, as 0.19 does. (A GPU run without TE on 0.16.1 hits the same.)
+
+    The router's expert-bias and global-aux buffers (``device=torch.cuda.current_device()``) and
+    ``gating()``'s move of CPU weights to that device are covered by ``current_device`` answering
+    the CPU.
+    """
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    alltoall = dispatcher.MoEAlltoAllTokenDispatcher
+    if getattr(alltoall, "cuda_dtoh_stream", None) is None:
+        patching.replace(alltoall, "cuda_dtoh_stream", _InertStream(), patching.CPU)
+    patching.hook(moe_utils, "maybe_move_tensor_to_cpu", _host_numpy, everywhere=True, scope=patching.CPU)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patching.replace(moe_utils, "te_general_gemm", None, patching.CPU)
+
+
+def _host_numpy(original):
+    def maybe_move_tensor_to_cpu(tensor, *args, **kwargs):
+        as_numpy = kwargs.get("as_numpy", args[0] if args else False)
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, *args, **kwargs)
+
+    return maybe_move_tensor_to_cpu
+
+
+class _InertStream:
+    """A side stream that orders nothing (CPU ops run in program order); ``torch.cuda.stream()`` takes it."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _InertEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _InertEvent:
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _causal_mask(sq: int) -> torch.Tensor:

@@ -39,6 +39,8 @@ MEGATRON_CORE = (
     "megatron.core.datasets.utils",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.torch_norm",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 MEGATRON_LM = (
     "megatron.training",
@@ -120,7 +122,7 @@ def held_anywhere(replacements: list[object], before: dict) -> list[str]:
 
     The modules ``before`` saw are compared attribute by attribute in ``differences``.
     """
-    ids = {id(r): r for r in replacements}
+    ids = {id(r): r for r in replacements if r is not None}  # None: every unset attribute (compared in differences)
     held = []
     for name, module in list(sys.modules.items()):
         if module is None or name in before["modules"] or name.split(".")[0] in ("megatron_zb", __name__):

@@ -35,6 +35,8 @@ SITES = [
     "cpu: Tensor.type",
     "cpu: torch function mode _CudaToCpu",
     "cpu: megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER",
+    "cpu: MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
+    "cpu: megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
     "megatron: megatron.core.pipeline_parallel.get_forward_backward_func",
     "megatron: megatron.core.pipeline_parallel.schedules.get_forward_backward_func",
     "megatron: megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
