@@ -2,7 +2,10 @@
 
 Both call the module-level ``linear_with_grad_accumulation_and_async_allreduce`` of
 ``megatron.core.tensor_parallel.layers`` at call time, so replacing that one function covers
-qkv, proj, fc1, fc2 and the output layer. Inside our executor the replacement runs a linear
+qkv, proj, fc1, fc2 and the output layer, and in MoE layers the fc1 and fc2 of every local
+expert (SequentialMLP) and of the shared expert. Expert linears (``explicit_expert_comm``) pass
+``allreduce_dgrad=False`` and ``sequence_parallel=False``: the dispatcher does their
+communication, so B and W here only multiply. Inside our executor the replacement runs a linear
 whose backward computes the input gradient (with the TP all-reduce, or the reduce-scatter
 under sequence parallelism) and queues the weight-gradient GEMM in the W queue. Outside it,
 megatron-core's own function runs unchanged.
