@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from .checks import breadth_first_group
 from .compare import compare
+from .flags.commands import COMPARE, PLAN
+from .flags.table import add_to
 from .schedule.costs import CostModel
 from .schedule.costs_file import load_costs
 from .schedule.ir import Schedule, ScheduleError
@@ -24,207 +26,16 @@ from .schedule.simulate import Timeline, simulate
 from .schedule.torch_csv import write_torch_csv
 from .schedule.validate import check
 
-FORMATS = ("text", "json", "svg", "html", "chrome-trace", "torch-csv")
-
-
-def _numbers(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(item) for item in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {text!r}") from None
-    if not all(map(math.isfinite, values)):
-        raise argparse.ArgumentTypeError(f"expected finite numbers (no nan or inf), got {text!r}")
-    return values
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number (no nan or inf), got {text!r}")
-    return value
-
-
-def _limit(text: str) -> float:
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (leave it out for no limit), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_ints(text: str) -> list[int]:
-    values = [_positive_int(item) for item in text.split(",")]
-    return sorted(set(values))
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _add_setting_args(parser: argparse.ArgumentParser) -> None:
-    """The setting every command plans for: pp, microbatches, chunks, costs, memory."""
-    parser.add_argument("--pp", type=_positive_int, help="pipeline-parallel ranks (required without --costs-from)")
-    parser.add_argument(
-        "--microbatches", "-m", type=_positive_int, help="microbatches per iteration (required without --costs-from)"
-    )
-    parser.add_argument("--chunks", type=_positive_int, help="model chunks per rank (default: each schedule's own)")
-    costs = parser.add_argument_group("costs, per full stage (a number, or a comma list with one value per stage)")
-    costs.add_argument("--cost-f", type=_numbers, help="forward time T_F (default 1)")
-    costs.add_argument("--cost-b", type=_numbers, help="input-gradient backward time T_B (default 1)")
-    costs.add_argument("--cost-w", type=_numbers, help="weight-gradient backward time T_W (default 1)")
-    costs.add_argument("--cost-comm", type=_finite, help="latency per cross-rank transfer (default 0)")
-    costs.add_argument(
-        "--costs-from",
-        metavar="FILE",
-        help="the costs measured in training (--zero-bubble-save-costs FILE), in ms; pp, microbatches and the "
-        "memory limit default to the run's",
-    )
-    memory = parser.add_argument_group("memory, in one microbatch's activations of a full stage")
-    memory.add_argument("--mem-f", type=_numbers, help="allocated by F (default 1)")
-    memory.add_argument("--mem-b", type=_numbers, help="freed by B, negative (default -0.5)")
-    memory.add_argument("--mem-w", type=_numbers, help="freed by W, negative (default -0.5)")
-    memory.add_argument("--memory-limit", type=_limit, help="per-rank activation memory limit, > 0 (default: none)")
-    dp = parser.add_argument_group(
-        "data parallelism: given any of these, schedules are lowered with each chunk's gradient reduction "
-        "(and with --zero3 its weight gathers) and simulated with them"
-    )
-    dp.add_argument(
-        "--cost-dp",
-        type=_numbers,
-        help="time of one gather or gradient reduction of a full stage's weights (default 0)",
-    )
-    dp.add_argument(
-        "--mem-param",
-        type=_numbers,
-        help="memory of a full stage's gathered weights while gathered, in the memory unit above (default 0)",
-    )
-    dp.add_argument(
-        "--zero3",
-        action="store_true",
-        help="ZeRO-3: gather a chunk's weights before each run of its passes and release them after it",
-    )
-    dp.add_argument(
-        "--prefetch",
-        type=_non_negative_int,
-        help="with --zero3: issue each gather this many compute passes before its first use (default 1)",
-    )
-    bf = parser.add_argument_group("breadth-first schedules")
-    bf.add_argument(
-        "--breadth-first-micro-batches",
-        type=_positive_int,
-        help="microbatches per breadth-first group (default: all); must divide --microbatches",
-    )
-    bf.add_argument(
-        "--depth-first-micro-batches",
-        type=_positive_int,
-        help="breadth-first groups run one after the other (default 1): --microbatches = breadth x depth",
-    )
-    parser.add_argument(
-        "--post-validation",
-        action="store_true",
-        help="optimizer post-validation (Megatron's --enable-optimizer-post-validation), so iterations overlap: "
-        "auto picks by stage span instead of makespan; plan --iterations N >= 2 draws the iterations that way "
-        "(each rank steps once it has its gradients and the partial grad norm of the ranks before it)",
-    )
-
-
-def _add_plan_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--schedule", help="schedule name; see `megatron-zb list` (default with --costs-from: the run's schedule)"
-    )
-    parser.add_argument(
-        "--from-file",
-        metavar="FILE",
-        help="validate, simulate and draw the orders in FILE instead of a named schedule: our JSON (--format json) "
-        "or PyTorch's schedule CSV (compute only or with communication); pp and microbatches come from the file",
-    )
-    _add_setting_args(parser)
-    parser.add_argument(
-        "--refine-seconds",
-        type=_non_negative_seconds,
-        default=0.0,
-        metavar="N",
-        help="automatic schedules: improve the heuristic with the CP-SAT solver for up to N seconds "
-        "(needs megatron-zb[refine]); never worse than the heuristic",
-    )
-    several = parser.add_argument_group("several iterations")
-    several.add_argument(
-        "--iterations",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="simulate N iterations back to back and draw them all; with N >= 2, text and json also give the "
-        "time per iteration with a synchronising optimizer step and with post-validation (default 1)",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="text",
-        help="default: text; torch-csv writes the orders as PyTorch's compute-only schedule CSV (_load_csv reads it)",
-    )
-    out.add_argument("-o", "--output", help="write to this file instead of standard output")
-    out.add_argument("--width", type=_positive_int, help="text format: at most this many columns for the timeline")
-    out.add_argument("--color", action="store_true", help="text format: ANSI colors by pass kind")
-
-
-def _add_compare_args(parser: argparse.ArgumentParser) -> None:
-    _add_setting_args(parser)
-    out = parser.add_argument_group("output")
-    out.add_argument("--format", choices=("text", "json"), default="text", help="default: text")
-    out.add_argument("-o", "--output", help="write to this file instead of standard output")
-    out.add_argument(
-        "--plot",
-        metavar="FILE",
-        help="also draw bubble vs peak memory (with --sweep: efficiency vs microbatches): FILE.svg, or FILE.png "
-        "(needs rsvg-convert)",
-    )
-    parser.add_argument(
-        "--sweep",
-        type=_positive_ints,
-        metavar="M1,M2,...",
-        help="simulate every schedule at each of these microbatch counts instead of --microbatches and print its "
-        "efficiency (1 - makespan bubble) per count: iteration time against batch per GPU",
-    )
-
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-zb", description="Zero-bubble pipeline schedules for Megatron.")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="generate, validate, simulate and draw one schedule")
-    _add_plan_args(plan)
+    add_to(plan, PLAN, checked=True)
     compare = commands.add_parser(
         "compare", help="every schedule for one setting: bubbles, peak memory, communication, Pareto frontier"
     )
-    _add_compare_args(compare)
+    add_to(compare, COMPARE, checked=True)
     commands.add_parser("list", help="the registered schedules, one line each")
     commands.add_parser(
         "train",
@@ -248,23 +59,10 @@ _DATA_PARALLEL = {"cost_dp": (0.0,), "mem_param": (0.0,)}
 
 def _breadth_first(args: argparse.Namespace, microbatches: int) -> int | None:
     """Microbatches per breadth-first group, from either knob (both: they must multiply to the microbatches)."""
-    breadth, depth = (
-        getattr(args, "breadth_first_micro_batches", None),
-        getattr(args, "depth_first_micro_batches", None),
-    )
-    if depth is not None and microbatches % depth:
-        raise ScheduleError(
-            f"--depth-first-micro-batches {depth} must divide the microbatches ({microbatches}): "
-            "microbatches = breadth-first x depth-first micro-batches"
-        )
-    if breadth is not None and depth is not None and breadth * depth != microbatches:
-        raise ScheduleError(
-            f"--breadth-first-micro-batches {breadth} x --depth-first-micro-batches {depth} = {breadth * depth}, "
-            f"not the {microbatches} microbatches; give one of them, or two that multiply to it"
-        )
-    if breadth is None and depth is not None:
-        return microbatches // depth
-    return breadth
+    try:
+        return breadth_first_group(args.breadth_first_micro_batches, args.depth_first_micro_batches, microbatches)
+    except ValueError as error:
+        raise ScheduleError(str(error)) from None
 
 
 def data_parallel(args: argparse.Namespace) -> DataParallel | None:
@@ -532,6 +330,7 @@ def run_sweep(args: argparse.Namespace) -> None:
 
     if args.microbatches is not None:
         raise ScheduleError("--sweep gives the microbatch counts; drop --microbatches")
+    args.sweep = sorted(set(args.sweep))
     args.microbatches = max(args.sweep)
     spec = _spec(args)
     for m in args.sweep:  # the breadth-first knobs must fit every count

@@ -1,39 +1,38 @@
-"""Write docs/flags.md, the flags reference, from the argument parsers themselves (no torch needed).
+"""Write docs/flags.md, the flags reference, from the flag table (``megatron_zb/flags/``; no torch needed).
 
     python scripts/gen_flags_doc.py            # rewrite docs/flags.md
     python scripts/gen_flags_doc.py --check    # exit 1 if docs/flags.md is out of date
 
 Three tables: the zero-bubble group that ``megatron_zb.add_args`` adds to any Megatron-LM
 parser, the flags only ``megatron-zb train`` has, and the Megatron-LM flags that
-``megatron-zb train`` accepts. tests/docs/test_flags_doc.py fails when docs/flags.md differs
-from what this script writes.
+``megatron-zb train`` accepts. The parsers are built from the same rows, so the page says what
+they parse. tests/docs/test_flags_doc.py fails when docs/flags.md differs from what this script writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import megatron_zb
-from megatron_zb.training.arguments import build_parser
+from megatron_zb.checks import flag
+from megatron_zb.flags.launcher import LAUNCHER_FLAGS, LAUNCHER_GROUP
+from megatron_zb.flags.table import Flag
+from megatron_zb.flags.zero_bubble import ZERO_BUBBLE_FLAGS
+from megatron_zb.megatron.args import help_fill
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "flags.md"
 COMMAND = "python scripts/gen_flags_doc.py"
-LAUNCHER_GROUP = "launcher (megatron-zb)"
 
 
-def add_args_parser() -> argparse.ArgumentParser:
-    """A bare parser with only what ``megatron_zb.add_args`` adds (the Megatron-LM extra_args_provider)."""
-    return megatron_zb.add_args(argparse.ArgumentParser(add_help=False))
-
-
-def group_actions(parser: argparse.ArgumentParser, title: str) -> list[argparse.Action]:
-    for group in parser._action_groups:
-        if group.title == title:
-            return [action for action in group._group_actions if action.default != argparse.SUPPRESS]  # not -h
-    raise KeyError(f"no argument group {title!r} in {parser.prog}")
+def groups(rows: Iterable[Flag]) -> dict[str, list[Flag]]:
+    """The rows by argument group, in the order the parser lists them."""
+    found: dict[str, list[Flag]] = {}
+    for row in rows:
+        found.setdefault(row.group, []).append(row)
+    return found
 
 
 def _value(value: object) -> str:
@@ -46,53 +45,65 @@ def _value(value: object) -> str:
     return str(value)
 
 
-def _argument(action: argparse.Action) -> str:
+def _argument(row: Flag) -> str:
     """What follows the flag on the command line: its metavar, else its type; empty for a switch."""
-    if action.nargs == 0:
+    if row.switch:
         return ""
-    if action.metavar:
-        text = str(action.metavar)
-    elif action.type in (int, float, str, None):
-        text = (action.type or str).__name__
+    if row.metavar:
+        text = row.metavar
+    elif row.type in (int, float, str, None):
+        text = (row.type or str).__name__
     else:
         text = "VALUE"
-    return f"{text} ..." if action.nargs in ("*", "+") else text
+    return f"{text} ..." if row.nargs in ("*", "+") else text
+
+
+def _range(row: Flag) -> str:
+    if row.range is None:
+        return ""
+    return row.range.counted() if row.type is int else str(row.range)
 
 
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def table(actions: list[argparse.Action]) -> list[str]:
-    """One Markdown row per flag: flag, argument, default, choices, help."""
-    lines = ["| flag | argument | default | choices | help |", "|---|---|---|---|---|"]
-    for action in actions:
-        flags = ", ".join(f"`{option}`" for option in action.option_strings)
+def _help(row: Flag, fill: Mapping[str, str]) -> str:
+    """The help, then what a CPU run sets the flag to and where it departs from Megatron-LM's."""
+    parts = [row.help_text(fill)] if row.help else []
+    if row.on_cpu is not None:
+        parts.append(f"On CPU: `{row.on_cpu.value or row.option}` ({row.on_cpu.why})")
+    if row.excludes:
+        parts.append("Not with " + "; ".join(f"{flag(name)}: {why}" for name, why in row.excludes))
+    if row.differs is not None:
+        parts.append(f"Unlike Megatron-LM's: {row.differs}")
+    return _cell(". ".join(parts))
+
+
+def table(rows: Iterable[Flag], fill: Mapping[str, str] | None = None) -> list[str]:
+    """One Markdown row per flag: flag, argument, default, range, choices, help."""
+    lines = ["| flag | argument | default | range | choices | help |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        flags = ", ".join(f"`{option}`" for option in row.options)
         # a switch is off unless given, whatever it stores (--disable-bias-linear stores False)
-        default = "off" if action.nargs == 0 and isinstance(action.default, bool) else _value(action.default)
-        if action.required:
-            default = "required"
-        choices = ", ".join(f"`{choice}`" for choice in action.choices) if action.choices else ""
-        argument = f"`{_argument(action)}`" if _argument(action) else ""
-        lines.append(f"| {flags} | {argument} | {default} | {choices} | {_cell(action.help or '')} |")
+        default = "required" if row.required else "off" if row.switch else _value(row.default)
+        choices = ", ".join(f"`{choice}`" for choice in row.choices) if row.choices else ""
+        argument = f"`{_argument(row)}`" if _argument(row) else ""
+        lines.append(f"| {flags} | {argument} | {default} | {_range(row)} | {choices} | {_help(row, fill or {})} |")
     return lines
-
-
-def nonempty_groups(parser: argparse.ArgumentParser) -> list[str]:
-    return [group.title for group in parser._action_groups if group_actions(parser, group.title)]
 
 
 def render() -> str:
     """The whole of docs/flags.md."""
-    ours, launcher = add_args_parser(), build_parser()
-    our_groups = nonempty_groups(ours)
-    megatron_groups = [title for title in nonempty_groups(launcher) if title not in {*our_groups, LAUNCHER_GROUP}]
+    fill = help_fill()
+    launcher = groups(LAUNCHER_FLAGS)
     lines = [
         "# Flags reference",
         "",
-        f"Generated from the argument parsers; do not edit by hand. Regenerate with `{COMMAND}`",
-        "(from the repository root, in the environment where megatron-zb is installed).",
-        "`tests/docs/test_flags_doc.py` fails when this page is out of date.",
+        "Generated from the flag table (`megatron_zb/flags/`), which the parsers are built from; do not edit by",
+        f"hand. Regenerate with `{COMMAND}` (from the repository root, in the environment where",
+        "megatron-zb is installed). `tests/docs/test_flags_doc.py` fails when this page is out of date.",
+        "A range is checked before anything starts, and the refusal names the flag.",
         "",
         "## Zero-bubble flags (`megatron_zb.add_args`)",
         "",
@@ -101,9 +112,10 @@ def render() -> str:
         "what they refuse: [megatron.md](megatron.md), [user-guide.md](user-guide.md#troubleshooting).",
         "Memory limits count one microbatch's activations of a full pipeline stage.",
     ]
-    for title in our_groups:
-        heading = [f"### {title}", ""] if len(our_groups) > 1 else []
-        lines += ["", *heading, *table(group_actions(ours, title))]
+    ours = groups(ZERO_BUBBLE_FLAGS)
+    for title, rows in ours.items():
+        heading = [f"### {title}", ""] if len(ours) > 1 else []
+        lines += ["", *heading, *table(rows, fill)]
     lines += [
         "",
         "## Launcher-only flags (`megatron-zb train`)",
@@ -111,15 +123,15 @@ def render() -> str:
         "Megatron-LM does not have these; they apply to `megatron-zb train` and",
         "`python -m megatron_zb.pretrain_gpt` only (not with `--megatron-lm`).",
         "",
-        *table(group_actions(launcher, LAUNCHER_GROUP)),
+        *table(launcher.pop(LAUNCHER_GROUP)),
         "",
         "## Megatron-LM flags that `megatron-zb train` accepts",
         "",
         "Same names and defaults as Megatron-LM's pretrain_gpt. Any other Megatron-LM flag fails with",
         '"unrecognized arguments" (use `--megatron-lm` to run Megatron-LM\'s own loop with all of them).',
     ]
-    for title in megatron_groups:
-        lines += ["", f"### {title}", "", *table(group_actions(launcher, title))]
+    for title, rows in launcher.items():
+        lines += ["", f"### {title}", "", *table(rows)]
     return "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,9 @@
 """Zero-bubble flags for Megatron-LM's argument parser, and the checks that refuse bad combinations.
 
-The flag names and meanings follow the zero-bubble reference implementation, so launch
-scripts written for it run unchanged; ``--pipeline-schedule`` and ``--zero-bubble-memory-limit``
-are ours. ``schedule_settings(args)`` turns a parsed namespace (Megatron-LM's names) into the
-schedule to run, or refuses it before any process group exists.
+``add_args`` adds the flag table's zero-bubble rows (``flags/zero_bubble.py``: the reference
+implementation's names and meanings, so launch scripts written for it run unchanged, plus ours).
+``schedule_settings(args)`` turns a parsed namespace (Megatron-LM's names) into the schedule to run,
+or refuses it before any process group exists.
 """
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..checks import check_zero_bubble_numbers, refuse_zero_bubble_settings, wait_timeout_s
+from ..checks import (
+    breadth_first_group,
+    check_numbers,
+    check_zero_bubble_numbers,
+    refuse_zero_bubble_settings,
+    row,
+    wait_timeout_s,
+)
+from ..flags.table import add_to
+from ..flags.zero_bubble import V_MEMORY_SETUPS, ZERO_BUBBLE_FLAGS
 from ..schedule import Schedule, ScheduleError, ScheduleSpec, names
 from ..schedule.placement import Placement
 from ..schedule.registry import get, with_option
@@ -20,155 +29,23 @@ from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule,
 from .layer_split import layers_per_block
 from .megatron_mapping import MEGATRON_LAYOUT_FLAGS, foreign_placement
 
-V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
 # Schedule-core option names, as a Megatron user knows them.
 _FLAG_NAMES = {"--chunks": "--virtual-pipeline-model-parallel-size", "--memory-limit": "--zero-bubble-memory-limit"}
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the zero-bubble group; usable as Megatron-LM's ``extra_args_provider``."""
-    group = parser.add_argument_group(title="zero bubble (megatron-zb)")
-    group.add_argument(
-        "--enable-zero-bubble",
-        action="store_true",
-        help="run an automatic zero-bubble schedule (ZB-1p/ZB-2p-like, memory set by "
-        "--zero-bubble-max-pending-backward) instead of megatron-core's 1F1B",
-    )
-    group.add_argument(
-        "--zero-bubble-v-schedule",
-        action="store_true",
-        help="run a V-shape schedule (two model chunks per rank); implies --enable-zero-bubble",
-    )
-    group.add_argument(
-        "--enable-bitpipe-schedule",
-        action="store_true",
-        help="run BitPipe (two mirrored V pipelines, each block's weights on two ranks; BitPipe's own flag): "
-        "--pipeline-schedule bitpipe",
-    )
-    group.add_argument(
-        "--zero-bubble-v-schedule-mem-setup",
-        choices=sorted(V_MEMORY_SETUPS),
-        default="zb",
-        help="memory of the V schedule: zb (ZB-V, 1F1B's memory), half (V-Half), min (V-Min); default zb",
-    )
-    group.add_argument(
-        "--zero-bubble-max-pending-backward",
-        type=_pending_backward,
-        default=None,
-        metavar="K",
-        help="memory limit of the automatic zero-bubble schedule, in microbatches whose backward is pending: "
-        "pipeline size => ZB-1p, twice the pipeline size => ZB-2p (default: the pipeline size); "
-        "no effect on V schedules",
-    )
-    group.add_argument(
-        "--zero-bubble-pipeline-timers-start-iter",
-        type=int,
-        default=100,
-        help="first training iteration of this process whose F/B/W passes are timed to re-plan the schedule "
-        "(default 100)",
-    )
-    group.add_argument(
-        "--zero-bubble-pipeline-timers-end-iter",
-        type=int,
-        default=110,
-        help="last timed iteration: after it every rank agrees on the measured per-stage costs and the schedule "
-        "is re-planned once with them (default 110)",
-    )
-    group.add_argument(
-        "--no-zero-bubble-replan",
-        action="store_true",
-        help="keep the schedule planned at start (unit costs): time no passes and never re-plan",
-    )
-    group.add_argument(
-        "--zero-bubble-save-costs",
-        default=None,
-        metavar="FILE",
-        help="after re-planning, the first rank writes the measured costs to FILE (JSON), for "
-        "`megatron-zb plan --costs-from FILE`",
-    )
-    group.add_argument(
-        "--allow-padding-num-layers",
-        action="store_true",
-        help="let --num-layers + 2 divide by the pipeline blocks: the blocks holding the embedding and the loss "
-        "get one layer fewer",
-    )
-    group.add_argument(
-        "--enable-optimizer-post-validation",
-        action="store_true",
-        help="step the optimizer without the global grad-norm/inf-nan all-reduce: stages pass the statistics "
-        "along the pipeline and step at once; a step that should have been skipped or clipped is undone and redone "
-        "before the next iteration's first backward",
-    )
-    group.add_argument(
-        "--optimizer-post-validation-rollback",
-        choices=("exact", "in-place"),
-        default="exact",
-        help="how a wrong step is undone: exact (a copy of the main parameters and optimizer state; bit-identical "
-        "to the synchronous step) or in-place (Adam run backwards; no copy, results within rounding); default exact",
-    )
-    group.add_argument(
-        "--pipeline-schedule",
-        type=_schedule_choice,
-        default=None,
-        metavar="NAME",
-        help=f"run this megatron-zb schedule ({', '.join(names())}), or {FILE_PREFIX}PATH for the orders in a "
-        "schedule file (megatron-zb plan --format json or torch-csv, or PyTorch's schedule CSV) planned for this "
-        "pp, microbatches and chunks; implies --enable-zero-bubble",
-    )
-    group.add_argument(
-        "--zero-bubble-memory-limit",
-        type=float,
-        default=None,
-        metavar="M",
-        help=f"per-rank activation memory limit of the automatic schedules ({', '.join(with_option('memory_limit'))}), "
-        "in one microbatch's activations of a full stage (1F1B needs the pipeline size)",
-    )
-    group.add_argument(
-        "--breadth-first-micro-batches",
-        type=int,
-        default=None,
-        metavar="N",
-        help="breadth-first schedules: microbatches per breadth-first group (default: all of them); each group "
-        "passes through a model chunk before the next chunk runs",
-    )
-    group.add_argument(
-        "--depth-first-micro-batches",
-        type=int,
-        default=None,
-        metavar="N",
-        help="breadth-first schedules: how many breadth-first groups run one after the other (default 1); "
-        "microbatches = breadth-first x depth-first micro-batches",
-    )
-    group.add_argument(
-        "--zero-bubble-p2p-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="a pipeline send or receive that waits longer fails, naming the rank, pass and microbatch; it may only "
-        "shorten --distributed-timeout-minutes, which bounds every wait (default: that timeout)",
-    )
-    group.add_argument(
-        "--zero-bubble-placement-independent-init",
-        action="store_true",
-        help="Megatron-LM: draw every initial weight from (--seed, its name in the unpipelined model) instead of "
-        "each rank's random stream, so runs with different schedules, placements or pipeline sizes start from the "
-        "same model (e.g. zb-v against megatron-core's 1F1B); works with megatron-core's schedules too "
-        "(megatron-zb train always initialises this way)",
-    )
-    group.add_argument(
-        "--enable-zb-runtime",
-        action="store_true",
-        help="the reference implementation's switch for its zero-bubble runtime; accepted with a note so its scripts "
-        "run unchanged (megatron-zb's runtime runs every schedule)",
-    )
-    group.add_argument(
-        "--zero-bubble-order-independent-dropout",
-        action="store_true",
-        help="draw every layer's dropout masks from (--seed, the microbatch's forward, the layer's number) instead of "
-        "each rank's stream in the order it runs forwards, so that any schedule, re-plan or pipeline split draws the "
-        "same masks (e.g. zb-v against megatron-core's 1F1B); works with megatron-core's schedules too",
-    )
-    return parser
+    """Add the zero-bubble group (the table's rows, ``flags/zero_bubble.py``); usable as Megatron-LM's
+    ``extra_args_provider``."""
+    return add_to(parser, ZERO_BUBBLE_FLAGS, types={"schedule": _schedule_choice}, fill=help_fill())
+
+
+def help_fill() -> dict[str, str]:
+    """What the zero-bubble flags' help names from the schedule registry."""
+    return {
+        "schedules": ", ".join(names()),
+        "file_prefix": FILE_PREFIX,
+        "memory_limit_schedules": ", ".join(with_option("memory_limit")),
+    }
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -196,21 +73,6 @@ def _schedule_choice(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"invalid choice: {text!r} (choose from {', '.join(names())}, or {FILE_PREFIX}PATH)"
     )
-
-
-def _pending_backward(text: str) -> int:
-    if text == "auto":
-        raise argparse.ArgumentTypeError(
-            "'auto' (a limit adapted to free GPU memory) is not supported; give a number of microbatches, "
-            "e.g. the pipeline size (ZB-1p) or twice it (ZB-2p), or use --zero-bubble-memory-limit"
-        )
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of microbatches, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 microbatch, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -337,18 +199,8 @@ def _breadth_first_group(args: argparse.Namespace, microbatches: int) -> int | N
     """Microbatches per breadth-first group from either flag; checked against the microbatches per iteration."""
     breadth = getattr(args, "breadth_first_micro_batches", None)
     depth = getattr(args, "depth_first_micro_batches", None)
-    for flag, value in (("--breadth-first-micro-batches", breadth), ("--depth-first-micro-batches", depth)):
-        if value is not None and (value < 1 or microbatches % value):
-            raise ValueError(
-                f"{flag} {value} must be a divisor of the {microbatches} microbatches per iteration "
-                "(global batch / (micro batch x data-parallel size)): microbatches = breadth-first x depth-first"
-            )
-    if breadth is not None and depth is not None and breadth * depth != microbatches:
-        raise ValueError(
-            f"--breadth-first-micro-batches {breadth} x --depth-first-micro-batches {depth} = {breadth * depth}, "
-            f"not the {microbatches} microbatches per iteration; give one of them, or two that multiply to it"
-        )
-    return breadth if breadth is not None else (microbatches // depth if depth is not None else None)
+    per_iteration = " per iteration (global batch / (micro batch x data-parallel size))"
+    return breadth_first_group(breadth, depth, microbatches, per_iteration)
 
 
 def _post_validation(args: argparse.Namespace) -> bool:
@@ -481,15 +333,10 @@ def virtual_chunks(args: argparse.Namespace) -> int | None:
 
 def _microbatches(args: argparse.Namespace) -> int:
     dp = getattr(args, "data_parallel_size", 1) or 1
-    if args.micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size must be at least 1 (samples per microbatch), got {args.micro_batch_size}")
+    check_numbers(args, (row("micro_batch_size"), row("global_batch_size")))
     per_step = args.micro_batch_size * dp
     global_batch = getattr(args, "global_batch_size", None)
     global_batch = per_step if global_batch is None else global_batch
-    if global_batch < 1:
-        raise ValueError(
-            f"--global-batch-size must be at least 1 (or left out: micro batch x data parallel), got {global_batch}"
-        )
     if global_batch % per_step:
         nearest = per_step * max(1, global_batch // per_step)
         raise ValueError(

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..checks import row
 from ..flags.megatron_lm_parser import Given, given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
 
 
@@ -31,10 +32,16 @@ class CpuSetting:
     why: str
 
 
+def _ours(name: str) -> CpuSetting:
+    """A flag of megatron-zb's table (``flags/``): what a CPU run sets it to, and why, is its row's ``on_cpu``."""
+    flag = row(name)
+    return CpuSetting(flag.option, flag.on_cpu.value, flag.on_cpu.why)
+
+
 # What a CPU run of megatron-core's local layer spec needs (added where the line does not give the flag).
 CPU_SETTINGS = (
     CpuSetting("--transformer-impl", "local", "Transformer Engine needs a GPU; megatron-core's local spec runs on CPU"),
-    CpuSetting("--distributed-backend", "gloo", "NCCL needs GPUs; gloo runs the same collectives on CPU"),
+    _ours("distributed_backend"),
     CpuSetting("--no-gradient-accumulation-fusion", None, "the fused weight-gradient kernel is CUDA's"),
     CpuSetting("--no-masked-softmax-fusion", None, "the fused softmax kernels are CUDA's"),
     CpuSetting("--no-bias-gelu-fusion", None, "the fused bias-GeLU is compiled for CUDA"),

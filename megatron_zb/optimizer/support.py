@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..checks import first_set
+
 
 def check_supported(optimizer, mode: str) -> None:
     """ValueError naming the setting when ``optimizer`` cannot be post-validated."""
@@ -20,9 +22,9 @@ def check_supported(optimizer, mode: str) -> None:
         "use_precision_aware_optimizer": "--use-precision-aware-optimizer",
         "optimizer_cpu_offload": "--optimizer-cpu-offload",
     }
-    for field, flag in refused.items():
-        if getattr(config, field, False):
-            raise ValueError(f"--enable-optimizer-post-validation does not support {flag}; drop one of them")
+    field = first_set(config, refused)
+    if field is not None:
+        raise ValueError(f"--enable-optimizer-post-validation does not support {refused[field]}; drop one of them")
     if getattr(config, "optimizer", "adam") not in ("adam", "sgd"):
         raise ValueError(
             f"--enable-optimizer-post-validation supports Adam and SGD, not --optimizer {config.optimizer}"

@@ -1,4 +1,4 @@
-"""The launcher's flags: a subset of Megatron-LM's, with its names and defaults, plus ours.
+"""The launcher's flags: a subset of Megatron-LM's, with its names and defaults, plus ours (``flags/launcher.py``).
 
 A user's pretrain_gpt command line runs here unchanged for the flags we share; every other flag is
 refused by name, all in one message, before anything starts (``flag_surface``: with Megatron-LM's own
@@ -14,12 +14,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..flags.launcher import LAUNCHER_FLAGS, TOKENIZERS
+from ..flags.table import add_to
 from ..megatron.args import add_args, schedule_settings
 from ..schedule.placement import Placement, linear
 from . import checks, flag_surface, memory_fit
 from .manifest import check_before_spawn
 
-# Megatron-LM's --tokenizer-type values that megatron-core's tokenizers build from local files.
+# Megatron-LM's --tokenizer-type values that megatron-core's tokenizers build from local files (TOKENIZERS: all).
 NULL_TOKENIZER = "NullTokenizer"
 FILE_TOKENIZERS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
@@ -29,7 +31,6 @@ FILE_TOKENIZERS = {
     "Llama2Tokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
 }
-TOKENIZERS = (NULL_TOKENIZER, *FILE_TOKENIZERS)
 TOKENIZER_PACKAGES = {
     "GPT2BPETokenizer": "transformers",
     "HuggingFaceTokenizer": "transformers",
@@ -41,189 +42,14 @@ TOKENIZER_PACKAGES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The launcher's parser: the table's launcher rows (``flags/launcher.py``), then the zero-bubble group."""
     parser = argparse.ArgumentParser(
         prog="megatron-zb train",
         description="Train a GPT with megatron-core and a megatron-zb schedule (Megatron-LM's pretrain_gpt flags).",
     )
-    _model_args(parser)
-    _parallel_args(parser)
-    _training_args(parser)
-    _data_args(parser)
-    _run_args(parser)
+    add_to(parser, LAUNCHER_FLAGS)
     add_args(parser)
     return parser
-
-
-def _model_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model (Megatron-LM names)")
-    group.add_argument("--num-layers", type=int, required=True)
-    group.add_argument("--hidden-size", type=int, required=True)
-    group.add_argument(
-        "--ffn-hidden-size", type=int, default=None, help="default: 4 x --hidden-size (see --swiglu for its default)"
-    )
-    group.add_argument("--num-attention-heads", type=int, required=True)
-    group.add_argument("--seq-length", type=int, required=True)
-    group.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    group.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="NullTokenizer's vocabulary (megatron-core 0.16 adds one id, its end of document; 0.17 on does not); "
-        "with --mock-data and no --tokenizer-type, the model's vocabulary before padding",
-    )
-    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    group.add_argument(
-        "--position-embedding-type", choices=("learned_absolute", "rope", "none"), default="learned_absolute"
-    )
-    _architecture_args(group)
-    group.add_argument("--init-method-std", type=float, default=0.02)
-    group.add_argument("--hidden-dropout", type=float, default=0.1)
-    group.add_argument("--attention-dropout", type=float, default=0.1)
-    group.add_argument("--num-experts", type=int, default=None, help="refused: MoE is not supported yet")
-    group.add_argument("--fp16", action="store_true")
-    group.add_argument("--bf16", action="store_true")
-    group.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default dynamic)")
-    group.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    group.add_argument("--min-loss-scale", type=float, default=1.0)
-    group.add_argument(
-        "--loss-scale-window", type=float, default=1000, help="fp16: steps without inf/nan before the scale doubles"
-    )
-    group.add_argument(
-        "--hysteresis", type=int, default=2, help="fp16: inf/nan steps tolerated before the scale halves"
-    )
-
-
-def _architecture_args(group) -> None:
-    """The Llama-family switches, under Megatron-LM's names, destinations, types and defaults."""
-    group.add_argument(
-        "--swiglu",
-        action="store_true",
-        help="gated linear units with SiLU in the MLP; --ffn-hidden-size then defaults to Megatron-LM's "
-        "int(8 x hidden / 3 / 64) x 64",
-    )
-    group.add_argument("--normalization", type=str, choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    group.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
-    group.add_argument(
-        "--apply-layernorm-1p",
-        dest="layernorm_zero_centered_gamma",
-        action="store_true",
-        help="norm weights centred on 0 (GPUs: LayerNorm with NVIDIA apex only; --cpu: LayerNorm and RMSNorm)",
-    )
-    group.add_argument("--group-query-attention", action="store_true")
-    group.add_argument(
-        "--num-query-groups", type=int, default=1, help="with --group-query-attention: the key/value heads"
-    )
-    group.add_argument("--kv-channels", type=int, default=None, help="channels per head; default: hidden / heads")
-    group.add_argument(
-        "--disable-bias-linear", dest="add_bias_linear", action="store_false", help="no biases in any linear layer"
-    )
-    group.add_argument("--add-qkv-bias", action="store_true", help="with --disable-bias-linear: biases on QKV only")
-    group.add_argument("--qk-layernorm", action="store_true", help="--normalization on each head's queries and keys")
-    group.add_argument("--rotary-percent", type=float, default=1.0, help="rope: the fraction of head channels rotated")
-    group.add_argument("--rotary-base", type=int, default=10000)
-    group.add_argument("--use-rope-scaling", action="store_true", help="rope: Llama 3.x's frequency scaling")
-    group.add_argument("--rope-scaling-factor", type=float, default=8.0)
-
-
-def _parallel_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("parallelism (Megatron-LM names)")
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    group.add_argument("--context-parallel-size", type=int, default=1)
-    group.add_argument("--sequence-parallel", action="store_true")
-    group.add_argument("--use-distributed-optimizer", action="store_true")
-    group.add_argument("--overlap-grad-reduce", action="store_true")
-    group.add_argument(
-        "--use-torch-fsdp2",
-        action="store_true",
-        help="ZeRO-3: shard parameters, gradients and optimizer state with PyTorch FSDP2; the schedule gathers and "
-        "releases each chunk's weights and reduces its gradients where it plans them (megatron-zb schedules)",
-    )
-    group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl")
-    group.add_argument(
-        "--distributed-timeout-minutes",
-        type=float,
-        default=10,
-        help="timeout of every process group and collective; the watchdog names the stalled rank (default 10)",
-    )
-
-
-def _training_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("training (Megatron-LM names)")
-    group.add_argument("--micro-batch-size", type=int, required=True)
-    group.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
-    group.add_argument("--train-iters", type=int, required=True)
-    group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    group.add_argument("--lr", type=float, required=True)
-    group.add_argument("--min-lr", type=float, default=0.0)
-    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
-    group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    group.add_argument("--lr-warmup-iters", type=int, default=0)
-    group.add_argument("--weight-decay", type=float, default=0.01)
-    group.add_argument("--adam-beta1", type=float, default=0.9)
-    group.add_argument("--adam-beta2", type=float, default=0.999)
-    group.add_argument("--adam-eps", type=float, default=1e-8)
-    group.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 turns it off")
-    group.add_argument("--seed", type=int, default=1234)
-    group.add_argument("--log-interval", type=int, default=100)
-    group.add_argument("--save", default=None, help="checkpoint directory")
-    group.add_argument("--save-interval", type=int, default=None)
-    group.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
-    group.add_argument(
-        "--exit-on-missing-checkpoint",
-        action="store_true",
-        help="with --load: stop with an error when it holds no checkpoint, instead of training from scratch",
-    )
-    group.add_argument(
-        "--exit-interval", type=int, default=None, help="stop after an iteration divisible by this (saving with --save)"
-    )
-
-
-def _data_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("data and evaluation (Megatron-LM names)")
-    group.add_argument("--mock-data", action="store_true", help="synthetic learnable token sequences, no files")
-    group.add_argument(
-        "--data-path",
-        nargs="*",
-        default=None,
-        help="megatron-core indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: [WEIGHT] PREFIX ...",
-    )
-    group.add_argument("--split", default="969, 30, 1", help="train, validation, test proportions of --data-path")
-    group.add_argument("--data-cache-path", default=None, help="where megatron-core keeps the dataset's indices")
-    group.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
-    group.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None, help="default: NullTokenizer semantics")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: its vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: its merges.txt")
-    group.add_argument(
-        "--tokenizer-model", default=None, help="SentencePiece, Llama2, TikTokenizer, HuggingFace: the model file"
-    )
-    group.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation; 0 turns it off")
-    group.add_argument(
-        "--eval-interval", type=int, default=1000, help="evaluate on the validation split every this many iterations"
-    )
-
-
-def _run_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("launcher (megatron-zb)")
-    group.add_argument(
-        "--cpu",
-        action="store_true",
-        help="run on CPU: spawn --cpu-procs gloo processes here (no torchrun needed)",
-    )
-    group.add_argument("--cpu-procs", type=int, default=None, help="--cpu: processes (default: tensor x pipeline)")
-    group.add_argument("--cpu-threads", type=int, default=1, help="--cpu: torch threads per process (default 1)")
-    group.add_argument(
-        "--megatron-lm",
-        action="store_true",
-        help="run Megatron-LM's pretrain() with these flags instead of this loop (needs a Megatron-LM checkout on "
-        "PYTHONPATH or in MEGATRON_LM_PATH; real datasets, V schedules included)",
-    )
-    group.add_argument("--metrics-file", default=None, help="append one JSON line per iteration to this file")
-    group.add_argument("--trace-file", default=None, help="write a Chrome/Perfetto trace of one iteration's passes")
-    group.add_argument("--trace-iteration", type=int, default=None, help="iteration to trace (default: the last)")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -287,10 +113,7 @@ def _world_size(args: argparse.Namespace) -> int:
     import os
 
     if args.cpu:
-        procs = args.cpu_procs or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        if procs < 1:
-            raise ValueError(f"--cpu-procs must be at least 1, got {procs}")
-        return procs
+        return args.cpu_procs or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.cpu_procs is not None:
         raise ValueError("--cpu-procs needs --cpu (on GPUs the process count comes from torchrun/srun)")
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -329,10 +152,6 @@ def _check_data(args: argparse.Namespace) -> None:
                 f"--data-path {prefix}: {' and '.join(missing)} not found (give the prefix of a megatron-core "
                 "indexed dataset, without .bin/.idx)"
             )
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0 (0 turns evaluation off), got {args.eval_iters}")
-    if args.eval_interval < 1:
-        raise ValueError(f"--eval-interval must be at least 1, got {args.eval_interval}")
 
 
 def _prefixes(data_path: list[str]) -> list[str]:

@@ -16,73 +16,23 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..checks import (  # noqa: F401  (the shared rules, also importable from here)
-    DEFAULT_TIMEOUT_S,
-    NON_NEGATIVE,
-    OPTIONS,
-    POSITIVE,
-    PROBABILITY,
-    TIMEOUT_MINUTES,
-    TIMEOUT_SECONDS,
-    WHY,
-    ZERO_BUBBLE_SETTINGS,
-    Range,
-    check_count,
-    check_number,
+from ..checks import (
+    TRAIN_FLAGS,
+    ZERO_BUBBLE_SETTINGS,  # noqa: F401  (the schedule-only settings, importable from here)
+    check_numbers,
     check_timeouts,
-    check_zero_bubble_numbers,
+    first_set,
     flag,
-    refuse_zero_bubble_settings,
-    wait_timeout_s,
+    row,
 )
 
-SEED_LIMIT = 2**32  # numpy's seed range, which Megatron-LM's _set_random_seed uses
-
-
-# Integers that count something: at least 1. None (not given) takes the default later.
-COUNTS = (
-    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
-    "log_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-    "make_vocab_size_divisible_by", "cpu_threads", "hysteresis",
-    "ffn_hidden_size", "max_position_embeddings", "vocab_size", "global_batch_size",
-    "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "lr_decay_iters",
-    "save_interval", "exit_interval", "cpu_procs", "trace_iteration", "kv_channels", "num_query_groups",
-    "rotary_base",
-)  # fmt: skip
-# Real-valued flags: NaN and infinity are refused everywhere.
-NUMBERS = {
-    "lr": NON_NEGATIVE,
-    "min_lr": NON_NEGATIVE,
-    "hidden_dropout": PROBABILITY,
-    "attention_dropout": PROBABILITY,
-    "init_method_std": NON_NEGATIVE,
-    "weight_decay": NON_NEGATIVE,
-    "adam_beta1": PROBABILITY,
-    "adam_beta2": PROBABILITY,
-    "adam_eps": NON_NEGATIVE,
-    "clip_grad": NON_NEGATIVE,
-    "loss_scale": POSITIVE,
-    "initial_loss_scale": POSITIVE,
-    "min_loss_scale": POSITIVE,
-    "loss_scale_window": Range(1),
-    "layernorm_epsilon": NON_NEGATIVE,
-    "rotary_percent": Range(0, 1, low_open=True),
-    "rope_scaling_factor": POSITIVE,
-}
 ROPE_ONLY = ("rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 
 
 def check_given(args: argparse.Namespace) -> None:
-    """Every number as given: counts >= 1, real numbers finite and in range; ValueError names the flag."""
-    for name in COUNTS:
-        check_count(name, getattr(args, name, None))
-    check_count("lr_warmup_iters", getattr(args, "lr_warmup_iters", None), low=0)
-    seed = getattr(args, "seed", None)
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"--seed must be between 0 and {SEED_LIMIT - 1}, got {seed}")
-    for name, allowed in NUMBERS.items():
-        check_number(name, getattr(args, name, None), allowed)
-    check_zero_bubble_numbers(args)
+    """Every number as given, in its flag's range (the flag table's); ValueError names the flag."""
+    check_numbers(args, TRAIN_FLAGS)
+    check_timeouts(args)
 
 
 def check_zero3(args: argparse.Namespace) -> None:
@@ -94,16 +44,10 @@ def check_zero3(args: argparse.Namespace) -> None:
             "--use-torch-fsdp2 needs a megatron-zb schedule (--pipeline-schedule NAME, e.g. breadth-first): the "
             "schedule plans when each chunk's weights are gathered and its gradients reduced"
         )
-    refused = {
-        "use_distributed_optimizer": "ZeRO-3 already shards the optimizer state (that optimizer is ZeRO-1/2)",
-        "overlap_grad_reduce": "the schedule starts each chunk's gradient reduction itself",
-        "fp16": "ZeRO-3 is verified in fp32 only so far",
-        "bf16": "ZeRO-3 is verified in fp32 only so far",
-        "sequence_parallel": "ZeRO-3 is verified without tensor parallelism so far",
-    }
-    for name, why in refused.items():
-        if getattr(args, name, False):
-            raise ValueError(f"--use-torch-fsdp2 with {flag(name)}: {why}; drop one of them")
+    refused = dict(row("use_torch_fsdp2").excludes)
+    name = first_set(args, refused)
+    if name is not None:
+        raise ValueError(f"--use-torch-fsdp2 with {flag(name)}: {refused[name]}; drop one of them")
     if args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1:
         raise ValueError(
             "--use-torch-fsdp2 is verified without tensor or context parallelism so far; use "
@@ -230,8 +174,7 @@ def refuse_cpu_flags(args: argparse.Namespace) -> None:
 
 def check_megatron_lm_launch(launch: argparse.Namespace) -> None:
     """The flags ``megatron-zb train --megatron-lm`` reads itself (Megatron-LM's validate_args checks the rest)."""
-    check_count("cpu_procs", launch.cpu_procs)
-    check_count("cpu_threads", launch.cpu_threads)
+    check_numbers(launch, (row("cpu_procs"), row("cpu_threads")))
     if not launch.cpu and (launch.cpu_procs is not None or launch.cpu_threads != 1):
         name = "--cpu-procs" if launch.cpu_procs is not None else "--cpu-threads"
         raise ValueError(f"{name} needs --cpu (under torchrun the launcher sets the processes and threads)")

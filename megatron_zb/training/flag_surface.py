@@ -18,18 +18,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from ..flags.launcher import LAUNCHER_FLAGS
 from ..flags.megatron_lm_parser import given_flags, megatron_lm_parser, megatron_lm_version, refuse_unknown
+from ..flags.table import LAUNCHER
 
-# The launcher's own flags, which Megatron-LM's pretrain_gpt does not have (Megatron-LM sets the chunk
-# count with --num-layers-per-virtual-pipeline-stage only).
-LAUNCHER_ONLY = ("--cpu", "--cpu-procs", "--cpu-threads", "--megatron-lm", "--metrics-file", "--trace-file",
-                 "--trace-iteration", "--use-torch-fsdp2", "--virtual-pipeline-model-parallel-size")  # fmt: skip
+# The launcher's own flags, which Megatron-LM's pretrain_gpt does not have (the table's LAUNCHER rows).
+LAUNCHER_ONLY = tuple(row.option for row in LAUNCHER_FLAGS if row.honoured == LAUNCHER)
 # Where the launcher's flag differs from Megatron-LM's on purpose (option -> why); everything else matches.
-DIFFERENCES = {
-    "--eval-interval": "default 1000: Megatron-LM's None fails in its own dataset builder (train_iters // None)",
-    "--split": "default '969, 30, 1', what Megatron-LM's validate_args fills in for None",
-    "--distributed-timeout-minutes": "takes fractions of a minute too (Megatron-LM: whole minutes)",
-}
+DIFFERENCES = {row.option: row.differs for row in LAUNCHER_FLAGS if row.differs}
 # Megatron-LM flags the launcher takes although it has no option of its own for them: what they do here.
 NO_EFFECT = {
     "--use-mcore-models": "the launcher always builds megatron-core's GPTModel",

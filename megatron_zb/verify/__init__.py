@@ -19,12 +19,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..checks import check_numbers
+from ..flags.commands import VERIFY_FLAGS
+from ..flags.table import add_to
 from . import scale
 from .verdict import TOLERANCE, Run, check_tolerance, compare, report
 
 PROG = "megatron-zb verify"
-ITERATIONS = 4
-LOOPS = ("megatron-lm", "launcher")
 LINE_REFUSED = "your line, before any scaling: {error}"
 
 
@@ -35,34 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a scaled-down copy of your pretrain_gpt command line on CPU with megatron-core's schedule "
         "and with yours; exit 1 when losses or grad norms differ, 2 when the line cannot be checked.",
     )
-    parser.add_argument(
-        "--megatron-lm",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="PATH",
-        help="the Megatron-LM checkout whose pretrain() and parser to use (default: the installed megatron.training "
-        "where megatron-core >= 0.17 ships it, else megatron-zb's own loop)",
-    )
-    parser.add_argument(
-        "--verify-loop",
-        choices=LOOPS,
-        default=None,
-        help="whose training loop runs the copies (default: megatron-lm where importable, else launcher)",
-    )
-    parser.add_argument(
-        "--verify-iters", type=int, default=ITERATIONS, help=f"iterations per run (default {ITERATIONS})"
-    )
-    parser.add_argument(
-        "--verify-tolerance",
-        type=float,
-        default=None,
-        help="largest relative difference accepted (default 1e-5 in fp32, 1e-2 with --bf16/--fp16; 0: identical)",
-    )
-    parser.add_argument(
-        "--verify-data-parallel", type=int, default=1, help="data-parallel copies to run (default 1; processes)"
-    )
-    return parser
+    return add_to(parser, VERIFY_FLAGS)
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
@@ -97,10 +71,7 @@ def main(argv: Sequence[str] | None = None, inject_wrong_gradient_at: int | None
 
 
 def _check_options(options: argparse.Namespace) -> None:
-    if options.verify_iters < 2:
-        raise ValueError(f"--verify-iters must be at least 2, got {options.verify_iters}")
-    if options.verify_data_parallel < 1:
-        raise ValueError(f"--verify-data-parallel must be at least 1, got {options.verify_data_parallel}")
+    check_numbers(options, VERIFY_FLAGS)
     check_tolerance(options.verify_tolerance)
     if options.megatron_lm and not os.path.isdir(options.megatron_lm):
         raise ValueError(f"--megatron-lm {options.megatron_lm}: not a directory (give a Megatron-LM checkout)")

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
+from ..checks import row
 from ..flags.megatron_lm_parser import Given, flag_of
+from ..flags.zero_bubble import KEYED_DROPOUT, SAME_INIT, ZERO_BUBBLE_FLAGS
 from ..megatron_lm import preflight
+from .scaler import Change, Limits, Refused, ScaledLine, Scaler  # noqa: F401  (importable from here)
 
 MAX_PROCESSES = 4  # gloo processes: two cores run four with the pool's overhead, not eight
 HEAD_DIM = 8
@@ -30,8 +30,6 @@ SEQUENCE = 32
 MOCK_VOCAB = 100
 FP16_START_SCALE = 2**12
 STALL_MINUTES = 5
-SAME_INIT = "--zero-bubble-placement-independent-init"
-KEYED_DROPOUT = "--zero-bubble-order-independent-dropout"
 # dest -> why a CPU run leaves the flag out (GPU-only features; the math around them runs as given)
 GPU_ONLY = {
     "use_flash_attn": "flash attention is a CUDA kernel; megatron-core's local attention computes the same",
@@ -59,9 +57,10 @@ GPU_ONLY = {
     "use_te_activation_func": "Transformer Engine's activation needs a GPU; the local spec's computes the same",
     "use_transformer_engine_op_fuser": "Transformer Engine needs a GPU",
 }
-# dest -> why the scaled copy leaves the flag out
+# megatron-zb's flags the scaled copy leaves out (why: each row's ``verify``)
+OURS_NOT_USED = ("load", "exit_interval")
+# dest -> why the scaled copy leaves the flag out (Megatron-LM's flags)
 NOT_USED = {
-    "load": "a checkpoint of the full-size model does not fit the scaled copy; both runs start from the seed",
     "pretrained_checkpoint": "a checkpoint of the full-size model does not fit the scaled copy",
     "use_checkpoint_args": "reads the model's sizes from the --load checkpoint, which the scaled copy does not load",
     "tensorboard_dir": "verify writes no logs into your folders (the losses it compares are its own)",
@@ -75,7 +74,6 @@ NOT_USED = {
     "use_pytorch_profiler": "profiling on CPU says nothing about GPU time",
     "profile_ranks": "profiling on CPU says nothing about GPU time",
     "exit_duration_in_mins": "the scaled copy runs all its iterations",
-    "exit_interval": "the scaled copy runs all its iterations",
     "exit_signal_handler": "the scaled copy runs all its iterations",
     "decoder_first_pipeline_num_layers": "the scaled copy holds one layer per pipeline stage",
     "decoder_last_pipeline_num_layers": "the scaled copy holds one layer per pipeline stage",
@@ -87,127 +85,18 @@ NOT_USED = {
     "processes and, on Megatron-LM 0.19, nvidia-resiliency-ext; the schedule comparison does not depend on it)",
     "use_persistent_ckpt_worker": "goes with --async-save, which the scaled copy leaves out",
 }
-# A flag the scaled copy sets -> the flags that need it otherwise, dropped with it (dest, why)
-DEPENDENTS = {
-    "--no-gradient-accumulation-fusion": (
-        ("defer_embedding_wgrad_compute", "defers the embedding's weight gradient into the fused gradient-"
-         "accumulation kernel, which a CPU run turns off"),
-    ),
-    "--no-overlap-p2p-communication": (
-        ("overlap_p2p_comm_warmup_flush", "overlaps warm-up and flush P2P, which needs the overlapped P2P that the "
-         "scaled copy turns off"),
-    ),
-    "--mock-data": (
-        ("fim_data", "fill-in-the-middle samples are cut from real documents; mock data has none"),
-        ("fim_rate", "no fill-in-the-middle samples with mock data"),
-        ("fim_spm_rate", "no fill-in-the-middle samples with mock data"),
-    ),
-}  # fmt: skip
+# dest -> why verify cannot check a line that sets it ({value}: the line's); megatron-zb's flags say it in their rows
+REFUSED = {
+    "num_experts": row("num_experts").verify,
+    "multi_latent_attention": "--multi-latent-attention: megatron-core's local layer spec, the one a CPU runs, cannot "
+    "build multi-latent attention (it needs Transformer Engine, on a GPU); verify the line without it, or on a GPU",
+    "use_torch_fsdp2": row("use_torch_fsdp2").verify,
+    "yaml_cfg": "--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line",
+}
 # Megatron-LM's pipeline split counts these as layers where the line asks (name, dest)
 ACCOUNTED = (("embedding", "account_for_embedding_in_pipeline_split"), ("loss", "account_for_loss_in_pipeline_split"))
 # Flags that only set sizes of the full model, replaced by the scaled ones (dest -> flag to name).
 DATA_FILES = ("vocab_file", "merge_file", "tokenizer_model")
-
-
-@dataclass(frozen=True)
-class Change:
-    flag: str
-    given: str
-    scaled: str
-    why: str
-
-
-@dataclass
-class ScaledLine:
-    argv: list[str]
-    reference_argv: list[str]
-    processes: int
-    schedule: str
-    precision: str
-    changes: list[Change] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
-
-    def table(self) -> str:
-        """Every changed flag with its reason, then the flags kept as given."""
-        rows = [("flag", "your line", "scaled copy", "why")]
-        rows += [(c.flag, c.given, c.scaled, c.why) for c in self.changes]
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
-                 for row in rows]  # fmt: skip
-        lines.insert(1, "  ".join("-" * width for width in widths) + "  ---")
-        kept = ", ".join(self.kept) if self.kept else "none"
-        lines.append(f"kept as given ({len(self.kept)}): {kept}")
-        return "\n".join(lines)
-
-
-class Refused(ValueError):
-    """A flag verify cannot check, named with what would work."""
-
-
-class Scaler:
-    """Rewrites a parsed command line flag by flag, recording each change and its reason."""
-
-    def __init__(self, parser: argparse.ArgumentParser, flags: Sequence[Given], args: argparse.Namespace):
-        self.parser, self.args = parser, args
-        self.flags: list[Given | None] = list(flags)
-        self.touched: set[int] = set()
-        self.added: list[Given] = []
-        self.changes: list[Change] = []
-
-    # -- reading
-    def given(self, dest: str) -> list[int]:
-        return [i for i, given in enumerate(self.flags) if given is not None and given.dest == dest]
-
-    def has(self, dest: str) -> bool:
-        return bool(self.given(dest))
-
-    def knows(self, option: str) -> bool:
-        return option in self.parser._option_string_actions
-
-    def value(self, dest: str):
-        return getattr(self.args, dest, None)
-
-    # -- writing
-    def set(self, option: str, values: Sequence[str] | None, why: str) -> None:
-        """Give ``option`` these values (None: a switch), replacing what the line gave for its destination."""
-        action = self.parser._option_string_actions.get(option)
-        if action is None:
-            return  # this Megatron-LM has no such flag: nothing to set
-        new = Given(option, tuple(values or ()), action)
-        indices = self.given(action.dest)
-        if indices:
-            old = self.flags[indices[0]]
-            if old.tokens == new.tokens:
-                return  # the line already says it: kept as given
-            self.flags[indices[0]] = new
-            for index in indices[1:]:
-                self.flags[index] = None
-            self.touched.add(indices[0])
-            self.changes.append(Change(old.flag, " ".join(old.values) or "given", " ".join(new.values) or "given", why))
-        else:
-            default = getattr(action.default, "name", action.default)
-            shown = "(not given)" if action.nargs == 0 or default is None else f"(default {default})"
-            self.added.append(new)
-            self.changes.append(Change(option, shown, " ".join(new.values) or "given", why))
-        for dest, reason in DEPENDENTS.get(option, ()):
-            self.drop(dest, f"{reason} ({option}: {why})")
-
-    def drop(self, dest: str, why: str) -> None:
-        for index in self.given(dest):
-            old = self.flags[index]
-            self.flags[index] = None
-            self.changes.append(Change(old.flag, " ".join(old.values) or "given", "not used", why))
-
-    def result(self) -> tuple[list[Given], list[str]]:
-        kept = [str(given) for index, given in enumerate(self.flags) if given is not None and index not in self.touched]
-        return [given for given in self.flags if given is not None] + self.added, kept
-
-
-@dataclass(frozen=True)
-class Limits:
-    iterations: int
-    data_parallel: int
-    folder: Path  # verify's temporary folder: caches, checkpoints, costs
 
 
 def on_cpu(parser: argparse.ArgumentParser, flags: Sequence[Given], args: argparse.Namespace) -> list[str]:
@@ -249,6 +138,8 @@ def scale(
     _data(scaler, limits)
     _checkpoints(scaler, limits)
     _cpu(scaler)
+    for dest in OURS_NOT_USED:
+        scaler.drop(dest, _ours(dest))
     for dest, why in NOT_USED.items():
         scaler.drop(dest, why)
     _zero_bubble(scaler, pp, limits)
@@ -273,25 +164,19 @@ def scale(
 
 def refuse(args: argparse.Namespace) -> None:
     """What verify cannot check at all (``Refused`` names it)."""
-    if getattr(args, "num_experts", None):
-        raise Refused(
-            f"--num-experts {args.num_experts}: mixture-of-experts layers are not supported by megatron-zb yet (the W "
-            "split covers dense layers only); verify and train dense models"
-        )
-    if getattr(args, "multi_latent_attention", False):
-        raise Refused(
-            "--multi-latent-attention: megatron-core's local layer spec, the one a CPU runs, cannot build multi-latent "
-            "attention (it needs Transformer Engine, on a GPU); verify the line without it, or on a GPU"
-        )
-    if getattr(args, "use_torch_fsdp2", False):
-        raise Refused(
-            "--use-torch-fsdp2: Megatron-LM runs torch FSDP2 without pipeline parallelism only, and a pipeline "
-            "schedule needs a pipeline: there is no zero-bubble schedule to compare (megatron-zb's own ZeRO-3 with a "
-            "pipeline: "
-            "`megatron-zb train --use-torch-fsdp2 --pipeline-schedule breadth-first-zb`)"
-        )
-    if getattr(args, "yaml_cfg", None):
-        raise Refused("--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line")
+    for dest, why in REFUSED.items():
+        value = getattr(args, dest, None)
+        if value:
+            raise Refused(why.format(value=value))
+
+
+def _ours(name: str, **fill: object) -> str:
+    """What verify's scaled copy does with one of megatron-zb's flags, and why: its row's ``verify``."""
+    return row(name).verify.format(**fill)
+
+
+def _set_ours(scaler: Scaler, name: str, values: Sequence[str] | None, **fill: object) -> None:
+    scaler.set(row(name).option, values, _ours(name, **fill))
 
 
 def _parallel(scaler: Scaler, limits: Limits):
@@ -372,7 +257,7 @@ def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
     else:
         scaler.set("--num-layers", [str(blocks)], f"one layer per pipeline block ({blocks} blocks)")
     if args.num_layers_per_virtual_pipeline_stage:
-        scaler.set("--num-layers-per-virtual-pipeline-stage", ["1"], "one layer per pipeline block")
+        _set_ours(scaler, "num_layers_per_virtual_pipeline_stage", ["1"])
     if args.group_query_attention:
         groups = max(tp, 2)
         heads = groups * max(1, args.num_attention_heads // args.num_query_groups)
@@ -384,7 +269,7 @@ def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
         scaler.set("--num-attention-heads", [str(heads)], f"two heads per tensor-parallel rank ({tp})")
     hidden = heads * HEAD_DIM
     if args.kv_channels is not None:
-        scaler.set("--kv-channels", [str(HEAD_DIM)], f"head size {HEAD_DIM}")
+        _set_ours(scaler, "kv_channels", [str(HEAD_DIM)], value=HEAD_DIM)
     scaler.set("--hidden-size", [str(hidden)], f"{heads} heads of size {HEAD_DIM}")
     if args.ffn_hidden_size is not None:
         ratio = args.ffn_hidden_size / args.hidden_size
@@ -398,16 +283,16 @@ def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
             "keeps SwiGLU's default ratio of 8/3 (Megatron-LM rounds that down to a multiple of 64: 0 at the scaled "
             f"hidden size {hidden}, an MLP with no units)",
         )
-    scaler.set("--seq-length", [str(SEQUENCE)], "a short sequence: the schedule does not depend on its length")
+    _set_ours(scaler, "seq_length", [str(SEQUENCE)])
     if args.max_position_embeddings is not None:
-        scaler.set("--max-position-embeddings", [str(SEQUENCE)], "the scaled sequence length")
+        _set_ours(scaler, "max_position_embeddings", [str(SEQUENCE)])
 
 
 def _batch(scaler: Scaler, pp: int, limits: Limits) -> None:
     """Two microbatches per stage (2·pp per iteration); a batch-size ramp becomes pp then 2·pp microbatches."""
     args, dp = scaler.args, limits.data_parallel
     micro = min(args.micro_batch_size, 2)
-    scaler.set("--micro-batch-size", [str(micro)], "a small microbatch")
+    _set_ours(scaler, "micro_batch_size", [str(micro)])
     full = micro * dp * 2 * pp
     if args.rampup_batch_size is not None:
         start = micro * dp * pp
@@ -444,14 +329,13 @@ def _batch(scaler: Scaler, pp: int, limits: Limits) -> None:
 def _iterations(scaler: Scaler, limits: Limits) -> None:
     """Counted in iterations; the learning-rate schedule keeps its warm-up share."""
     args, iterations = scaler.args, limits.iterations
-    why = f"verify trains {iterations} iterations (--verify-iters)"
-    scaler.set("--train-iters", [str(iterations)], why)
-    scaler.drop("train_samples", f"counted in iterations: {why}")
+    _set_ours(scaler, "train_iters", [str(iterations)], value=iterations)
+    scaler.drop("train_samples", f"counted in iterations: {_ours('train_iters', value=iterations)}")
     total = args.lr_decay_iters or args.lr_decay_samples or args.train_iters or args.train_samples
     warmup = args.lr_warmup_iters or args.lr_warmup_samples or 0
     if scaler.has("lr_decay_iters") or scaler.has("lr_decay_samples"):
         scaler.drop("lr_decay_samples", "counted in iterations")
-        scaler.set("--lr-decay-iters", [str(iterations)], "decays over the scaled run")
+        _set_ours(scaler, "lr_decay_iters", [str(iterations)])
     if warmup and total:
         share = warmup / total
         steps = min(iterations - 1, max(1, math.ceil(share * iterations))) if share > 0 else 0
@@ -461,9 +345,9 @@ def _iterations(scaler: Scaler, limits: Limits) -> None:
         if scaler.has(dest):
             scaler.drop(dest, "the scaled run has no room for a separate WSD decay phase")
     if args.eval_iters:
-        scaler.set("--eval-iters", ["1"], "one evaluation batch: evaluation runs the schedule's forward-only path")
-        scaler.set("--eval-interval", [str(iterations)], "evaluates once, at the end")
-    scaler.set("--log-interval", ["1"], "verify reads every iteration's loss and grad norm")
+        _set_ours(scaler, "eval_iters", ["1"])
+        _set_ours(scaler, "eval_interval", [str(iterations)])
+    _set_ours(scaler, "log_interval", ["1"])
 
 
 def _data(scaler: Scaler, limits: Limits) -> None:
@@ -481,12 +365,10 @@ def _data(scaler: Scaler, limits: Limits) -> None:
             scaler.drop(dest, f"{path}: {found}; {mock} runs with NullTokenizer")
         if not args.mock_data:
             scaler.set("--mock-data", None, why)
-        scaler.set("--tokenizer-type", ["NullTokenizer"], "mock data's tokenizer: ids 0 .. vocab size")
-        scaler.set("--vocab-size", [str(MOCK_VOCAB)], "a small vocabulary")
+        _set_ours(scaler, "tokenizer_type", ["NullTokenizer"])
+        _set_ours(scaler, "vocab_size", [str(MOCK_VOCAB)])
     if args.data_cache_path is not None or not args.mock_data:
-        scaler.set(
-            "--data-cache-path", [str(limits.folder / "data-cache")], "verify writes only in its temporary folder"
-        )
+        _set_ours(scaler, "data_cache_path", [str(limits.folder / "data-cache")])
 
 
 def _missing_data_files(args: argparse.Namespace) -> list[str]:
@@ -508,13 +390,8 @@ def _missing_data_files(args: argparse.Namespace) -> list[str]:
 
 def _checkpoints(scaler: Scaler, limits: Limits) -> None:
     if scaler.args.save is not None:
-        scaler.set(
-            "--save",
-            [str(limits.folder / "checkpoints")],
-            "saved once, at the end, in verify's temporary folder (checks the save path, never writes into yours); "
-            "megatron-core's run saves nothing",
-        )
-        scaler.set("--save-interval", [str(limits.iterations)], "saves once, at the end")
+        _set_ours(scaler, "save", [str(limits.folder / "checkpoints")])
+        _set_ours(scaler, "save_interval", [str(limits.iterations)])
     else:
         scaler.drop("save_interval", "no --save on the line")
 
@@ -531,18 +408,9 @@ def _cpu(scaler: Scaler) -> None:
     if scaler.value("cross_entropy_fusion_impl") == "te":
         scaler.set("--cross-entropy-fusion-impl", ["native"], "Transformer Engine's fused cross entropy needs a GPU")
     if scaler.args.fp16 and scaler.args.loss_scale is None and scaler.args.initial_loss_scale > FP16_START_SCALE:
-        scaler.set(
-            "--initial-loss-scale",
-            [str(FP16_START_SCALE)],
-            "at a larger scale the few scaled iterations would all overflow and skip their step (a full-size run "
-            "lowers the scale in its first steps); both runs start from it",
-        )
+        _set_ours(scaler, "initial_loss_scale", [str(FP16_START_SCALE)])
     if scaler.args.distributed_timeout_minutes > STALL_MINUTES:
-        scaler.set(
-            "--distributed-timeout-minutes",
-            [str(STALL_MINUTES)],
-            f"a stalled scaled run is named within {STALL_MINUTES} minutes (its steps take well under a second)",
-        )
+        _set_ours(scaler, "distributed_timeout_minutes", [str(STALL_MINUTES)], value=STALL_MINUTES)
     if _virtual_chunks(scaler.args) > 1 and scaler.knows("--no-overlap-p2p-communication"):
         scaler.set(
             "--no-overlap-p2p-communication",
@@ -554,24 +422,15 @@ def _cpu(scaler: Scaler) -> None:
 
 def _zero_bubble(scaler: Scaler, pp: int, limits: Limits) -> None:
     args = scaler.args
-    for name, option in (
-        ("zero_bubble_max_pending_backward", "--zero-bubble-max-pending-backward"),
-        ("zero_bubble_memory_limit", "--zero-bubble-memory-limit"),
-    ):
+    for name in ("zero_bubble_max_pending_backward", "zero_bubble_memory_limit"):
         value = _scaled_limit(args, name, pp)
         if value is not None:
-            ratio = getattr(args, name) / args.pipeline_model_parallel_size
-            scaler.set(option, [str(value)], f"keeps the limit at {ratio:.3g} x the pipeline size")
+            _set_ours(scaler, name, [str(value)], ratio=getattr(args, name) / args.pipeline_model_parallel_size)
     if getattr(args, "zero_bubble_save_costs", None):
-        scaler.set("--zero-bubble-save-costs", [str(limits.folder / "costs.json")], "verify writes only in its folder")
-    scaler.set(SAME_INIT, None, "both runs draw every weight from the seed and its name, whatever the placement")
+        _set_ours(scaler, "zero_bubble_save_costs", [str(limits.folder / "costs.json")])
+    _set_ours(scaler, "zero_bubble_placement_independent_init", None)
     if args.hidden_dropout or args.attention_dropout:
-        scaler.set(
-            KEYED_DROPOUT,
-            None,
-            "both runs draw each layer's dropout masks from the seed, the microbatch and the layer, whatever order "
-            "the schedule runs the microbatches in",
-        )
+        _set_ours(scaler, "zero_bubble_order_independent_dropout", None)
 
 
 _SAVES = frozenset({"save", "save_interval"})
@@ -580,11 +439,7 @@ _SAVES = frozenset({"save", "save_interval"})
 def _selects_schedule(given: Given) -> bool:
     """Flags of megatron-zb's group other than the shared initialisation and dropout: dropped for megatron-core's
     run."""
-    return given.dest in _zero_bubble_dests() and flag_of(given.action) not in (SAME_INIT, KEYED_DROPOUT)
+    return given.dest in _ZERO_BUBBLE_DESTS and flag_of(given.action) not in (SAME_INIT, KEYED_DROPOUT)
 
 
-@functools.cache
-def _zero_bubble_dests() -> frozenset[str]:
-    from ..megatron.args import add_args
-
-    return frozenset(action.dest for action in add_args(argparse.ArgumentParser(add_help=False))._actions)
+_ZERO_BUBBLE_DESTS = frozenset(flag.name for flag in ZERO_BUBBLE_FLAGS)
