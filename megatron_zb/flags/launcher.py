@@ -189,13 +189,17 @@ OWN = _group(
          why="--cpu processes"),
     Flag("--cpu-threads", "--cpu: torch threads per process (default 1)", type=int, default=1, range=COUNT,
          why="torch threads per --cpu process"),
-    Flag("--megatron-lm", "run Megatron-LM's pretrain() with these flags instead of this loop (needs a Megatron-LM "
-         "checkout on PYTHONPATH or in MEGATRON_LM_PATH; real datasets, V schedules included)", switch=True),
+    Flag("--megatron-lm", "run Megatron-LM's pretrain() with these flags instead of this loop, from the checkout at "
+         "PATH (or MEGATRON_LM_PATH, PYTHONPATH, or the megatron.training that megatron-core >= 0.17 ships; real "
+         "datasets, V schedules included)", nargs="?", const="", metavar="PATH"),
     Flag("--metrics-file", "append one JSON line per iteration to this file"),
     Flag("--trace-file", "write a Chrome/Perfetto trace of one iteration's passes"),
     Flag("--trace-iteration", "iteration to trace (default: the last)", type=int, range=COUNT),
 )  # fmt: skip
 OWN = tuple(replace(row, honoured=LAUNCHER) for row in OWN)
+
+# What the --megatron-lm launcher reads itself (megatron_lm/launch.py); Megatron-LM's parser reads the rest.
+MEGATRON_LM_LAUNCHER = ("--megatron-lm", "--cpu", "--cpu-procs", "--cpu-threads", "--metrics-file")
 
 # In the launcher's --help and docs/flags.md order.
 LAUNCHER_FLAGS = (*MODEL, *PARALLELISM, *TRAINING, *DATA, *OWN)

@@ -11,7 +11,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
+from ..flags.launcher import LAUNCHER_FLAGS, MEGATRON_LM_LAUNCHER
+from ..flags.table import add_to
 from ..training.checks import check_megatron_lm_launch
 from . import preflight
 from .checkout import MegatronLMMissing, uses_own_providers
@@ -19,14 +22,14 @@ from .pretrain import pretrain_here
 
 
 def launcher_parser() -> argparse.ArgumentParser:
-    """The flags this launcher reads itself; the rest go to Megatron-LM's parser unchanged."""
+    """The flags this launcher reads itself (their rows in flags/launcher.py); the rest go to Megatron-LM's parser."""
     parser = argparse.ArgumentParser(prog="megatron-zb train --megatron-lm", add_help=False, allow_abbrev=False)
-    parser.add_argument("--megatron-lm", nargs="?", const="", default=None, metavar="PATH")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--cpu-procs", type=int, default=None)
-    parser.add_argument("--cpu-threads", type=int, default=1)
-    parser.add_argument("--metrics-file", default=None)
-    return parser
+    return add_to(parser, _rows(MEGATRON_LM_LAUNCHER))
+
+
+def _rows(options: Sequence[str]) -> list:
+    rows = {row.option: row for row in LAUNCHER_FLAGS}
+    return [replace(rows[option], group="") for option in options]
 
 
 def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -71,8 +74,7 @@ def run(argv: Sequence[str]) -> int:
 
 def _world_size(launch: argparse.Namespace, argv: Sequence[str]) -> int:
     sizes = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    sizes.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    sizes.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_to(sizes, _rows(("--tensor-model-parallel-size", "--pipeline-model-parallel-size")))
     found, _ = sizes.parse_known_args(argv)
     model_parallel = found.tensor_model_parallel_size * found.pipeline_model_parallel_size
     procs = launch.cpu_procs or model_parallel
