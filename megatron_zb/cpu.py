@@ -129,7 +129,7 @@ def _moe() -> None:
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     alltoall = dispatcher.MoEAlltoAllTokenDispatcher
     if getattr(alltoall, "cuda_dtoh_stream", None) is None:
-        patching.replace(alltoall, "cuda_dtoh_stream", _InertStream(), patching.CPU)
+        patching.replace(alltoall, "cuda_dtoh_stream", InertStream(), patching.CPU)
     patching.hook(moe_utils, "maybe_move_tensor_to_cpu", _host_numpy, everywhere=True, scope=patching.CPU)
     if not hasattr(moe_utils, "te_general_gemm"):
         patching.replace(moe_utils, "te_general_gemm", None, patching.CPU)
@@ -145,8 +145,12 @@ def _host_numpy(original):
     return maybe_move_tensor_to_cpu
 
 
-class _InertStream:
-    """A side stream that orders nothing (CPU ops run in program order); ``torch.cuda.stream()`` takes it."""
+class InertStream:
+    """A CUDA stream that orders nothing: every CPU op already runs in program order (``torch.cuda.stream()`` takes
+    it); megatron_lm/cpu.py hands it out as torch.cuda's streams too."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def wait_stream(self, stream) -> None:
         pass
@@ -155,13 +159,22 @@ class _InertStream:
         pass
 
     def record_event(self, event=None):
-        return event if event is not None else _InertEvent()
+        return event if event is not None else InertEvent()
 
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
 
-class _InertEvent:
+
+class InertEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
     def wait(self, stream=None) -> None:
         pass
 
@@ -170,6 +183,9 @@ class _InertEvent:
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
 
 
 def _causal_mask(sq: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ import threading
 import torch
 
 from .. import patching
+from ..cpu import InertEvent, InertStream
 
 _lock = threading.Lock()
 _SCOPE = patching.MEGATRON_LM_CPU
@@ -48,49 +49,7 @@ _first = None  # enable()'s first entry: in force while enabled (no_gpu_architec
 CPU_TRACKER_STATE = "megatron-zb-cpu-no-op"
 
 
-class _Stream:
-    """A CUDA stream that orders nothing: every CPU op already runs in program order."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _Event:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
-_DEFAULT_STREAM = _Stream()
+_DEFAULT_STREAM = InertStream()
 
 
 def enable() -> None:
@@ -123,8 +82,8 @@ def _torch_cuda() -> patching.Patch:
     shims = {
         "device_count": lambda: 1,
         "set_device": lambda device: None,
-        "Stream": _Stream,
-        "Event": _Event,
+        "Stream": InertStream,
+        "Event": InertEvent,
         "current_stream": lambda device=None: _DEFAULT_STREAM,
         "default_stream": lambda device=None: _DEFAULT_STREAM,
         "stream": lambda stream=None: contextlib.nullcontext(),
