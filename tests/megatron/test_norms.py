@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megatron_zb.megatron import norms, patching
+from megatron_zb import patching
+from megatron_zb.megatron import norms
 
 
 def config(**fields) -> TransformerConfig:
