@@ -92,6 +92,8 @@ def forward(
     set_input_tensor([None])  # the model would otherwise keep the last input alive past the iteration
     if loss_stage:
         output = _loss(ctx, output, loss_func)
+    else:  # megatron-core sets the auxiliary losses' scale after every forward, on every stage
+        _scale_auxiliary_losses(ctx.config, output, ctx.cp_size, ctx.num_microbatches)
     return output
 
 
