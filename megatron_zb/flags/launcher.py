@@ -81,9 +81,6 @@ MODEL = _group(
     Flag("--init-method-std", type=float, default=0.02, range=NON_NEGATIVE),
     Flag("--hidden-dropout", type=float, default=0.1, range=PROBABILITY, why="0 turns dropout off"),
     Flag("--attention-dropout", type=float, default=0.1, range=PROBABILITY, why="0 turns dropout off"),
-    Flag("--num-experts", "refused: MoE is not supported yet", type=int,
-         verify="--num-experts {value}: mixture-of-experts layers are not supported by megatron-zb yet (the W split "
-         "covers dense layers only); verify and train dense models"),
     Flag("--fp16", switch=True),
     Flag("--bf16", switch=True),
     Flag("--loss-scale", "fp16: static loss scale (default dynamic)", type=float, range=POSITIVE,
@@ -105,6 +102,10 @@ PARALLELISM = _group(
          "them with --num-layers-per-virtual-pipeline-stage only)", type=int, range=COUNT, honoured=LAUNCHER),
     Flag("--num-layers-per-virtual-pipeline-stage", type=int, range=COUNT, verify="one layer per pipeline block"),
     Flag("--context-parallel-size", type=int, default=1, range=COUNT),
+    Flag("--expert-model-parallel-size", "MoE: ranks the experts are spread over (within tensor x data parallel)",
+         type=int, default=1, range=COUNT, why="ranks sharing out the experts"),
+    Flag("--expert-tensor-parallel-size", "MoE: tensor parallelism inside each expert (default: "
+         "--tensor-model-parallel-size)", type=int, range=COUNT, why="ranks splitting each expert"),
     Flag("--sequence-parallel", switch=True),
     Flag("--use-distributed-optimizer", switch=True),
     Flag("--overlap-grad-reduce", switch=True),
@@ -122,6 +123,52 @@ PARALLELISM = _group(
          "{range.high:g}), got {value}: it bounds every wait, and names the stalled rank once a wait reaches it",
          differs="takes fractions of a minute too (Megatron-LM: whole minutes)",
          verify="a stalled scaled run is named within {value} minutes (its steps take well under a second)"),
+)  # fmt: skip
+
+# Megatron-LM's --moe-router-load-balancing-type values that megatron-core 0.16 to 0.19 all build.
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MOE = _group(
+    "mixture of experts (Megatron-LM names)",
+    Flag("--num-experts", "experts per MoE layer (0 or none: a dense model)", type=int, range=NON_NEGATIVE,
+         why="0 or leave it out for a dense model"),
+    Flag("--moe-layer-freq", "MoE layers among the decoder layers: N (every N-th layer, the first included) or a "
+         "Python list pattern of 1 (MoE) and 0 (dense) per layer, e.g. \"[0]+[1]*3\"", default=1),
+    Flag("--moe-ffn-hidden-size", "each expert's FFN size (default: --ffn-hidden-size)", type=int, range=COUNT),
+    Flag("--moe-router-topk", "experts each token is routed to", type=int, default=2, range=COUNT,
+         why="experts per token"),
+    Flag("--moe-shared-expert-intermediate-size", "the shared experts' total FFN size (none: no shared expert)",
+         type=int, range=COUNT),
+    Flag("--moe-shared-expert-gate", "a sigmoid gate on the shared experts' output", switch=True),
+    Flag("--moe-router-load-balancing-type", "aux_loss (GShard), seq_aux_loss (DeepSeek-V2, per sequence), "
+         "global_aux_loss, sinkhorn or none; several with matching --moe-aux-loss-coeff values", nargs="+",
+         type=str, choices=LOAD_BALANCING, default="aux_loss"),
+    Flag("--moe-aux-loss-coeff", "the load-balancing loss's coefficient(s) (1e-2 is a usual start)", type=float,
+         nargs="+", default=0.0),
+    Flag("--moe-z-loss-coeff", "the router z-loss's coefficient (1e-3 is a usual start)", type=float,
+         range=NON_NEGATIVE),
+    Flag("--moe-router-score-function", choices=("softmax", "sigmoid"), type=str, default="softmax"),
+    Flag("--moe-router-pre-softmax", "softmax (sigmoid) before the top-k choice", switch=True),
+    Flag("--moe-router-topk-scaling-factor", "with --moe-router-pre-softmax: scales the chosen scores", type=float,
+         range=POSITIVE),
+    Flag("--moe-router-num-groups", "group-limited routing (DeepSeek-V3): expert groups", type=int, range=COUNT),
+    Flag("--moe-router-group-topk", "group-limited routing: groups each token may choose from", type=int,
+         range=COUNT),
+    Flag("--moe-router-enable-expert-bias", "aux-loss-free balancing: a per-expert routing bias updated after each "
+         "step (needs --moe-router-score-function sigmoid)", switch=True),
+    Flag("--moe-router-bias-update-rate", type=float, default=1e-3, range=NON_NEGATIVE),
+    Flag("--moe-router-dtype", "the router's and the expert-output averaging's dtype (default: the model's)",
+         type=str, choices=("fp32", "fp64")),
+    Flag("--moe-token-dispatcher-type", "allgather or alltoall (flex needs DeepEP or HybridEP on GPUs: refused)",
+         type=str, choices=("allgather", "alltoall", "flex"), default="allgather"),
+    Flag("--moe-grouped-gemm", "taken, and said: the launcher builds megatron-core's local layers, whose experts run "
+         "one after the other (SequentialMLP, the same math; grouped GEMM needs Transformer Engine: --megatron-lm)",
+         switch=True, differs="the launcher's experts are always SequentialMLP (a printed line says so)"),
+    Flag("--moe-expert-capacity-factor", "token dropping: each expert takes at most this x its even share of tokens "
+         "(none: no dropping)", type=float, range=POSITIVE, why="leave it out to drop no tokens"),
+    Flag("--moe-pad-expert-input-to-capacity", "with a capacity factor: pad each expert's input to its capacity",
+         switch=True),
+    Flag("--moe-token-drop-policy", "with a capacity factor: drop the lowest-probability tokens (probs) or the last "
+         "ones (position)", type=str, choices=("probs", "position"), default="probs"),
 )  # fmt: skip
 
 TRAINING = _group(
@@ -202,4 +249,4 @@ OWN = tuple(replace(row, honoured=LAUNCHER) for row in OWN)
 MEGATRON_LM_LAUNCHER = ("--megatron-lm", "--cpu", "--cpu-procs", "--cpu-threads", "--metrics-file")
 
 # In the launcher's --help and docs/flags.md order.
-LAUNCHER_FLAGS = (*MODEL, *PARALLELISM, *TRAINING, *DATA, *OWN)
+LAUNCHER_FLAGS = (*MODEL, *MOE, *PARALLELISM, *TRAINING, *DATA, *OWN)

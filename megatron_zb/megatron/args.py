@@ -352,11 +352,6 @@ def _refuse_unsupported_models(args: argparse.Namespace) -> None:
             "megatron-zb schedules do not support --context-parallel-size > 1 yet; use tensor or data parallelism, "
             "or megatron-core's own schedule (drop the zero-bubble flags)"
         )
-    if getattr(args, "num_experts", None):
-        raise ValueError(
-            "megatron-zb schedules do not support MoE models (--num-experts) yet; drop --num-experts, or the "
-            "zero-bubble flags to run megatron-core's own schedule"
-        )
     if getattr(args, "mtp_num_layers", None):
         raise ValueError("megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet")
     if is_encoder_and_decoder(args):

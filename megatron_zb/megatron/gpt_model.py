@@ -71,7 +71,9 @@ def build_gpt_chunks(
     ``config.pipeline_model_parallel_layout`` is unset and megatron's own mapping does not
     match ``placement``, it is set here, in place, to ``layer_layout(config.num_layers,
     placement)``; set it yourself (``pad=True``) for uneven blocks. ``layer_spec`` defaults to
-    the local GPT layer spec; a callable is called with each chunk's ``vp_stage``.
+    the local GPT layer spec; a callable is called with ``config`` (its layout set) and each
+    chunk's ``vp_stage``: a block spec whose layers differ (MoE and dense layers mixed,
+    ``block_spec_for``) is built per chunk from the layers that chunk holds.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -91,7 +93,7 @@ def build_gpt_chunks(
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=_spec_for(spec, vp_stage),
+                transformer_layer_spec=_spec_for(spec, config, vp_stage),
                 vocab_size=vocab_size,
                 max_sequence_length=max_sequence_length,
                 pre_process=block == 0,
@@ -132,14 +134,31 @@ def build_pipes(config, placements: tuple[Placement, ...], rank: int, shared=(),
     return chunks
 
 
-def _spec_for(spec, vp_stage: int | None):
-    """A spec, or a function of vp_stage returning one (block specs differ per chunk)."""
+def _spec_for(spec, config, vp_stage: int | None):
+    """A spec, or a function of (config, vp_stage) returning one (block specs differ per chunk)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if isinstance(spec, (ModuleSpec, TransformerBlockSubmodules)) or not callable(spec):
         return spec
-    return spec(vp_stage)
+    return spec(config, vp_stage)
+
+
+def block_spec_for(normalization: str | None = None) -> Callable:
+    """``layer_spec`` for ``build_gpt_chunks``: megatron-core's decoder block spec of each chunk (local, no TE).
+
+    Each layer is dense or MoE as ``config.moe_layer_freq`` says of its global layer number, and
+    the chunk's layers are the ones the config's layout (V, interleaved, BitPipe's pipes) gives it.
+    """
+    return partial(_block_spec, normalization)
+
+
+def _block_spec(normalization: str | None, config, vp_stage: int | None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=normalization, vp_stage=vp_stage
+    )
 
 
 def _check_rank(placement: Placement, rank: int) -> None:

@@ -3,8 +3,9 @@
 megatron-core draws initial weights from the RNG state of the process that builds them, so a
 V run and a linear run (or pp=2 and pp=4) start from different models and cannot be compared.
 Here every parameter is drawn from its own generator, seeded by (seed, a name that does not
-depend on where the parameter lives): decoder layers by their global layer number, the rest
-by their name in the unpipelined model. The tied output layer takes the embedding's values.
+depend on where the parameter lives): decoder layers by their global layer number, MoE experts
+by their global expert number (whatever the expert-parallel size), the rest by their name in the
+unpipelined model. The tied output layer takes the embedding's values.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import torch
 _LAYERS = "decoder.layers."
 _EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _SCALED = ("linear_proj", "linear_fc2")  # residual-branch outputs: megatron's scaled_init_method_normal
+_EXPERTS = "mlp.experts.local_experts."  # SequentialMLP's experts, numbered within this expert-parallel rank
 
 
 def placement_independent_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(name in the unpipelined model, parameter) for every parameter of a GPTModel chunk.
 
-    Decoder layer indices become global (``layer_number - 1``); a tied output layer is named
-    after the word embedding it copies.
+    Decoder layer indices become global (``layer_number - 1``), and so do local expert indices
+    (the MoE layer's ``local_expert_indices``); a tied output layer is named after the word
+    embedding it copies.
     """
     while hasattr(model, "module"):
         model = model.module
@@ -35,7 +38,11 @@ def placement_independent_names(model: torch.nn.Module) -> Iterator[tuple[str, t
         key = name
         if name.startswith(_LAYERS):
             index, rest = name[len(_LAYERS) :].split(".", 1)
-            key = f"{_LAYERS}{layers[int(index)].layer_number - 1}.{rest}"
+            layer = layers[int(index)]
+            if rest.startswith(_EXPERTS):
+                local, tail = rest[len(_EXPERTS) :].split(".", 1)
+                rest = f"{_EXPERTS}{layer.mlp.local_expert_indices[int(local)]}.{tail}"
+            key = f"{_LAYERS}{layer.layer_number - 1}.{rest}"
         elif tied and name == "output_layer.weight":
             key = _EMBEDDINGS[0]
         yield key, param
@@ -48,13 +55,22 @@ def placement_independent_init(chunks: list, config, seed: int) -> None:
     and linear_fc2: init_method_std / sqrt(2 * num_layers)), layernorm weights 1 (0 with
     zero-centred gamma), biases 0. Tensor-parallel weights are drawn whole and sliced as
     megatron's ``_initialize_affine_weight_cpu`` does; one full parameter is in memory at a
-    time. Call it before building the optimizer (it keeps its own copy of the weights).
+    time. MoE experts (SequentialMLP's; not expert-parallel all-reduced, ``allreduce=False``) are
+    sliced by their expert-tensor-parallel rank. Call it before building the optimizer (it keeps
+    its own copy of the weights).
     """
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    tp_size = (
-        parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    initialized = parallel_state.model_parallel_is_initialized()
+    tp = (
+        (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+        if initialized
+        else (0, 1)
+    )
+    etp = (
+        (parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
+        if initialized
+        else (0, 1)
     )
     with torch.no_grad():
         for chunk in chunks:
@@ -63,7 +79,19 @@ def placement_independent_init(chunks: list, config, seed: int) -> None:
                 if fill is not None:
                     param.data.fill_(fill)
                 else:
-                    param.data.copy_(_drawn(key, param, std, seed, tp_rank, tp_size))
+                    param.data.copy_(_drawn(key, param, std, seed, *(tp if _dense(key, param) else etp)))
+
+
+def _dense(key: str, param: torch.nn.Parameter) -> bool:
+    """Not an expert's: split by the tensor-parallel group (an expert's by the expert-tensor-parallel group)."""
+    if getattr(param, "allreduce", True):
+        return True
+    if f".{_EXPERTS}" not in key:
+        raise ValueError(
+            f"placement_independent_init does not handle expert-parallel parameters other than SequentialMLP's "
+            f"({key}); leave the model's own initialisation for grouped-GEMM experts"
+        )
+    return False
 
 
 def _rule(key: str, param: torch.nn.Parameter, config) -> tuple[float | None, float]:
@@ -88,11 +116,6 @@ def _rule(key: str, param: torch.nn.Parameter, config) -> tuple[float | None, fl
 
 def _drawn(key: str, param: torch.nn.Parameter, std: float, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This tensor-parallel rank's part of the full tensor drawn for ``key`` (fp32, on the CPU)."""
-    if not getattr(param, "allreduce", True):
-        raise ValueError(
-            f"placement_independent_init does not handle expert-parallel parameters ({key}); "
-            "leave the model's own initialisation for MoE experts"
-        )
     split = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
     shape = list(param.shape)
     dim = getattr(param, "partition_dim", -1)

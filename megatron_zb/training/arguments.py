@@ -18,7 +18,7 @@ from ..flags.launcher import LAUNCHER_FLAGS, TOKENIZERS
 from ..flags.table import add_to
 from ..megatron.args import add_args, schedule_settings
 from ..schedule.placement import Placement, linear
-from . import checks, flag_surface, memory_fit
+from . import checks, flag_surface, memory_fit, moe_checks
 from .manifest import check_before_spawn
 
 # Megatron-LM's --tokenizer-type values that megatron-core's tokenizers build from local files (TOKENIZERS: all).
@@ -91,6 +91,7 @@ def derive_and_check(args: argparse.Namespace) -> list[str]:
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _check_data(args)
     _check_model(args)
+    notes = moe_checks.check_moe(args)
     checks.check_derived(args)
     checks.check_architecture(args)
     checks.refuse_cpu_flags(args)
@@ -102,11 +103,12 @@ def derive_and_check(args: argparse.Namespace) -> list[str]:
     args.placements = args.zero_bubble.placements if args.zero_bubble is not None else (placement_of(args),)
     args.placement = args.placements[0]  # a Namespace holds values, not properties: the first pipe's, set here only
     checks.check_placement(args)
+    moe_checks.check_moe_schedule(args)
     checks.check_zero3(args)
     checks.check_replan_window(args)
     check_before_spawn(args)  # --load/--save against the checkpoints there (manifest.py)
     checks.check_outputs(args)
-    return checks.unused(args, given)
+    return notes + checks.unused(args, given)
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -195,8 +197,6 @@ def tokenizer_vocab(args: argparse.Namespace) -> int:
 
 
 def _check_model(args: argparse.Namespace) -> None:
-    if args.num_experts:
-        raise ValueError("--num-experts: this launcher builds dense GPT models only; MoE is not supported yet")
     if args.context_parallel_size > 1:
         raise ValueError(
             "--context-parallel-size > 1 is not supported by this launcher yet; use tensor or data parallelism"

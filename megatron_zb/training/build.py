@@ -19,7 +19,17 @@ TRANSFORMER_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "sequence_parallel", "hidden_dropout", "attention_dropout",
     "init_method_std", "fp16", "bf16", "kv_channels", "normalization", "layernorm_epsilon",
-    "layernorm_zero_centered_gamma", "add_bias_linear", "qk_layernorm",
+    "layernorm_zero_centered_gamma", "add_bias_linear", "qk_layernorm", "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)  # fmt: skip
+# MoE flags copied under their own names when --num-experts is given (num_experts becomes num_moe_experts).
+MOE_FIELDS = (
+    "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_dtype",
+    "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+    "moe_token_drop_policy",
 )  # fmt: skip
 OPTIMIZER_FIELDS = (
     "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "fp16",
@@ -54,6 +64,8 @@ def init_parallel(args: argparse.Namespace, device: torch.device) -> None:
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
         get_embedding_ranks=embedding_ranks(args.placement),
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     seed = pipeline_rank_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank())
     random.seed(seed)
@@ -106,13 +118,23 @@ def _derived_fields(args: argparse.Namespace) -> dict:
     }
     if args.swiglu:
         fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    if args.num_experts:
+        fields.update(_same_names(args, MOE_FIELDS), num_moe_experts=args.num_experts)
     return fields
 
 
 def layer_spec(args: argparse.Namespace):
-    """megatron-core's local layer spec with the flags' norm and q/k normalisation, as Megatron-LM's gpt_builders."""
+    """megatron-core's local layer spec with the flags' norm and q/k normalisation, as Megatron-LM's gpt_builders.
+
+    With experts, megatron-core's decoder block spec, built per chunk (``block_spec_for``): each layer
+    dense or MoE as --moe-layer-freq says, its experts SequentialMLP (the local spec's).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if args.num_experts:
+        from ..megatron.gpt_model import block_spec_for
+
+        return block_spec_for(args.normalization)
     return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
 
 

@@ -25,6 +25,7 @@ from ..checks import (
     flag,
     row,
 )
+from .moe_checks import MOE_ONLY
 
 ROPE_ONLY = ("rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 
@@ -309,6 +310,9 @@ def unused(args: argparse.Namespace, given: set[str]) -> list[str]:
             if name in given
         ]
     notes += _unused_architecture(args, given)
+    if args.num_experts is None:
+        notes += [f"{flag(name)} applies to MoE models (--num-experts) only; it has no effect here"
+                  for name in MOE_ONLY if name in given]  # fmt: skip
     from ..megatron.args import zero_bubble_notes
 
     notes += zero_bubble_notes(args)

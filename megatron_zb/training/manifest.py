@@ -81,6 +81,10 @@ MODEL_FIELDS = {
     "qk_layernorm": "--qk-layernorm",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "position_embedding_type": "--position-embedding-type",
+    "num_experts": "--num-experts",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_layer_freq": "--moe-layer-freq",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
 }
 
 

@@ -153,7 +153,6 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         ("--zero-bubble-max-pending-backward 8", ["needs --enable-zero-bubble"]),
         ("--zero-bubble-v-schedule-mem-setup half", ["needs --zero-bubble-v-schedule"]),
         ("--enable-zero-bubble --context-parallel-size 2", ["--context-parallel-size"]),
-        ("--enable-zero-bubble --num-experts 4", ["MoE", "--num-experts"]),
         ("--enable-optimizer-post-validation", ["--enable-optimizer-post-validation needs a megatron-zb schedule"]),
         ("--enable-zero-bubble --global-batch-size 15", ["--global-batch-size 15", "multiple"]),
         (
@@ -175,7 +174,7 @@ def test_padding_gives_the_embedding_and_loss_blocks_one_layer_fewer() -> None:
         ("--enable-zero-bubble --data-path /data/x", ["--data-path", "--mock-data"]),
         ("--trace-iteration 3", ["--trace-file"]),
         ("--trace-file t.json", ["--trace-file", "--pipeline-schedule 1f1b"]),
-        ("--num-experts 4", ["--num-experts", "dense"]),
+        ("--num-experts 4 --moe-router-topk 6", ["--moe-router-topk 6", "--num-experts 4"]),
         ("--context-parallel-size 2 --cpu-procs 8", ["--context-parallel-size"]),
         ("--zero-bubble-memory-limit 3", ["needs --pipeline-schedule auto, bitpipe-zb, v-auto or zb-auto"]),
         ("--save-interval 5", ["--save"]),
