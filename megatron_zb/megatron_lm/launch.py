@@ -64,10 +64,12 @@ def run(argv: Sequence[str]) -> int:
         except ValueError as error:
             print(f"megatron-zb train: error: {error}", file=sys.stderr)
             return 2
+        for setting in checked.dropped:
+            print(f"megatron-zb train: on CPU: {setting.flag} left out ({setting.why})", file=sys.stderr)
         for setting in checked.additions:
             value = setting.flag if setting.value is None else f"{setting.flag} {setting.value}"
             print(f"megatron-zb train: on CPU: {value} ({setting.why})", file=sys.stderr)
-        return _spawn_cpu(launch, [*rest, *preflight.setting_argv(checked.additions)], world, checked.timeout_s)
+        return _spawn_cpu(launch, checked.line(), world, checked.timeout_s)
     pretrain_here(rest, launch.metrics_file)
     return 0
 

@@ -50,6 +50,15 @@ CPU_SETTINGS = (
     CpuSetting("--no-rope-fusion", None, "the fused RoPE kernel is Transformer Engine's"),
     CpuSetting("--no-persist-layer-norm", None, "the persistent layer-norm kernel is apex's"),
 )  # fmt: skip
+# dest -> why a CPU run leaves the switch out (CUDA kernels of MoE layers: the unfused path computes the same)
+CPU_DROPPED = {
+    "moe_grouped_gemm": "grouped GEMM is a CUDA kernel (grouped_gemm or Transformer Engine); on CPU each expert runs "
+    "its own GEMMs one after another (megatron-core's SequentialMLP), the same experts",
+    "moe_permute_fusion": "the fused token permutation is Transformer Engine's; megatron-core's unfused permutation "
+    "moves the same tokens",
+    "moe_router_fusion": "the fused router top-k is Transformer Engine's; megatron-core's unfused router computes the "
+    "same",
+}
 # dest -> (is it on, why a CPU run cannot have it, what works instead)
 GPU_ONLY = {
     "transformer_impl": (lambda v: v == "transformer_engine", "Transformer Engine needs a GPU",
@@ -68,6 +77,12 @@ GPU_ONLY = {
     "attention_backend": (lambda v: getattr(v, "name", v) in ("flash", "fused"),
                           "it selects Transformer Engine's attention kernels, which need a GPU",
                           "leave it out (auto: megatron-core's local layer spec computes attention itself)"),
+    "moe_token_dispatcher_type": (lambda v: v == "flex", "the flex dispatcher is DeepEP's or HybridEP's, CUDA kernels "
+                                  "across GPUs", "--moe-token-dispatcher-type alltoall (or allgather)"),
+    "moe_enable_deepep": (bool, "DeepEP's dispatcher is CUDA kernels across GPUs",
+                          "--moe-token-dispatcher-type alltoall (or allgather)"),
+    "overlap_moe_expert_parallel_comm": (bool, "megatron-core's expert-parallel all-to-all overlap runs on CUDA "
+                                         "streams and needs Transformer Engine", "leave it out on CPU"),
 }  # fmt: skip
 
 
@@ -98,10 +113,29 @@ def setting_argv(settings: Sequence[CpuSetting]) -> list[str]:
     return [token for s in settings for token in ([s.flag] if s.value is None else [s.flag, s.value])]
 
 
+def cpu_drops(flags: Sequence[Given]) -> list[CpuSetting]:
+    """The switches of ``CPU_DROPPED`` the line gives, each with why a CPU run leaves it out."""
+    return [CpuSetting(str(flag), None, CPU_DROPPED[flag.dest]) for flag in flags if flag.dest in CPU_DROPPED]
+
+
+def without(argv: Sequence[str], parser: argparse.ArgumentParser, dests: Sequence[str]) -> list[str]:
+    """``argv`` without the switches (flags that take no value) whose destination is in ``dests``."""
+    dropped = {
+        option for option, action in parser._option_string_actions.items() if action.dest in dests and action.nargs == 0
+    }
+    return [token for token in argv if token not in dropped]
+
+
 @dataclass(frozen=True)
 class Checked:
     additions: list[CpuSetting]  # the CPU settings to add, each with its reason
     timeout_s: float  # the line's --distributed-timeout-minutes: every wait's bound
+    dropped: tuple[CpuSetting, ...] = ()  # the line's switches a CPU run leaves out (CPU_DROPPED), each with its reason
+    argv: tuple[str, ...] = ()  # the line to run: without the dropped switches, the additions not yet added
+
+    def line(self) -> list[str]:
+        """The argv the ranks run: the line, less what a CPU leaves out, plus the CPU settings."""
+        return [*self.argv, *setting_argv(self.additions)]
 
 
 def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
@@ -131,8 +165,10 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
     if refusals:
         raise ValueError("; ".join(refusals))
     additions = cpu_additions(flags, parser)
+    dropped = cpu_drops(flags)
+    argv = without(argv, parser, [flag.dest for flag in flags if flag.dest in CPU_DROPPED])
     validated = validate(parser, [*argv, *setting_argv(additions)], processes)
-    return Checked(additions, 60.0 * validated.distributed_timeout_minutes)
+    return Checked(additions, 60.0 * validated.distributed_timeout_minutes, tuple(dropped), tuple(argv))
 
 
 def unset_te_attention() -> str | None:
@@ -202,6 +238,7 @@ def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: in
                 f"Megatron-LM {megatron_lm_version()}'s validate_args refuses it: {failed_assertion(error)}"
             ) from None
     _refuse_unset_eval_interval(args)
+    _refuse_missing_optimizer(args)
     check_zero_bubble(args)
     _build_config(args)
     return args
@@ -236,6 +273,20 @@ def failed_assertion(error: BaseException) -> str:
         return type(error).__name__
     last = frames[-1]
     return f"{(last.line or '').strip() or type(error).__name__} ({os.path.basename(last.filename)}:{last.lineno})"
+
+
+def _refuse_missing_optimizer(args: argparse.Namespace) -> None:
+    """Muon (and megatron-core's other emerging optimizers) come from the package emerging-optimizers: without it every
+    rank would fail building the optimizer, after spawn."""
+    optimizer = str(getattr(args, "optimizer", "adam") or "adam")
+    if "muon" not in optimizer and optimizer != "lion":
+        return
+    if importlib.util.find_spec("emerging_optimizers") is not None:
+        return
+    raise ValueError(
+        f"--optimizer {optimizer}: megatron-core builds it from the package emerging-optimizers, which is not "
+        "installed here (pip install emerging-optimizers); or give --optimizer adam"
+    )
 
 
 def _refuse_unset_eval_interval(args: argparse.Namespace) -> None:

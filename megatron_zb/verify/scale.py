@@ -22,6 +22,7 @@ from ..checks import row
 from ..flags.megatron_lm_parser import Given, flag_of
 from ..flags.zero_bubble import KEYED_DROPOUT, SAME_INIT, ZERO_BUBBLE_FLAGS
 from ..megatron_lm import preflight
+from . import scale_experts
 from .scaler import Change, Limits, Refused, ScaledLine, Scaler  # noqa: F401  (importable from here)
 
 MAX_PROCESSES = 4  # gloo processes: two cores run four with the pool's overhead, not eight
@@ -87,11 +88,23 @@ NOT_USED = {
 }
 # dest -> why verify cannot check a line that sets it ({value}: the line's); megatron-zb's flags say it in their rows
 REFUSED = {
-    "num_experts": row("num_experts").verify,
     "multi_latent_attention": "--multi-latent-attention: megatron-core's local layer spec, the one a CPU runs, cannot "
     "build multi-latent attention (it needs Transformer Engine, on a GPU); verify the line without it, or on a GPU",
     "use_torch_fsdp2": row("use_torch_fsdp2").verify,
     "yaml_cfg": "--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line",
+    "moe_enable_deepep": "--moe-enable-deepep: DeepEP's token dispatcher is CUDA kernels across GPUs, which a CPU "
+    "cannot run; verify the line with --moe-token-dispatcher-type alltoall, or on GPUs",
+    "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm: megatron-core's expert-parallel "
+    "all-to-all overlap runs on CUDA streams and needs Transformer Engine, which a CPU cannot run (a megatron-zb "
+    "schedule replaces that schedule); verify the line without it",
+}
+# dest -> (the value verify cannot check, why)
+REFUSED_VALUES = {
+    "moe_token_dispatcher_type": (
+        "flex",
+        "--moe-token-dispatcher-type flex: the flex dispatcher is DeepEP's or HybridEP's, CUDA kernels across GPUs, "
+        "which a CPU cannot run; verify the line with --moe-token-dispatcher-type alltoall, or on GPUs",
+    ),
 }
 # Megatron-LM's pipeline split counts these as layers where the line asks (name, dest)
 ACCOUNTED = (("embedding", "account_for_embedding_in_pipeline_split"), ("loss", "account_for_loss_in_pipeline_split"))
@@ -123,6 +136,7 @@ def scale(
     ``schedule_of`` returns megatron-zb's schedule settings for a namespace (None without one).
     """
     refuse(args)
+    given_dp, limits = limits.data_parallel, scale_experts.expert_data_parallel(args, limits)
     scaler = Scaler(parser, flags, args)
     tp, pp, chunks_of = _parallel(scaler, limits)
     settings = schedule_of(_probe(args, pp, tp, limits))
@@ -132,7 +146,8 @@ def scale(
             "--pipeline-schedule NAME): there is nothing to compare with megatron-core's own schedule"
         )
     blocks = chunks_of(settings)
-    _model(scaler, tp, pp, blocks)
+    hidden, layers = _model(scaler, tp, pp, blocks)
+    scale_experts.experts(scaler, tp, limits.data_parallel, limits.data_parallel != given_dp, hidden, layers)
     _batch(scaler, pp, limits)
     _iterations(scaler, limits)
     _data(scaler, limits)
@@ -168,6 +183,9 @@ def refuse(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if value:
             raise Refused(why.format(value=value))
+    for dest, (value, why) in REFUSED_VALUES.items():
+        if getattr(args, dest, None) == value:
+            raise Refused(why)
 
 
 def _ours(name: str, **fill: object) -> str:
@@ -193,7 +211,7 @@ def _parallel(scaler: Scaler, limits: Limits):
         scaler.set("--pipeline-model-parallel-size", [str(pp)], reason)
     if getattr(args, "context_parallel_size", 1) > 1:
         scaler.set("--context-parallel-size", ["1"], "context parallelism splits the sequence, not the pipeline")
-    if getattr(args, "expert_model_parallel_size", 1) > 1:
+    if getattr(args, "expert_model_parallel_size", 1) > 1 and not getattr(args, "num_experts", None):
         scaler.set("--expert-model-parallel-size", ["1"], "no experts in a dense model")
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
     if instances > 1 and limits.data_parallel % instances:
@@ -245,8 +263,10 @@ def _scaled_limit(args: argparse.Namespace, name: str, pp: int):
     return max(pp, round(scaled)) if isinstance(value, int) else max(float(pp) / 2, scaled)
 
 
-def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
-    """One layer per block; heads, groups and head size small, the GQA ratio and FFN ratio kept."""
+def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> tuple[int, int]:
+    """One layer per block; heads, groups and head size small, the GQA ratio and FFN ratio kept.
+
+    Returns the scaled hidden size and layer count."""
     args = scaler.args
     accounted = [name for name, dest in ACCOUNTED if getattr(args, dest, False)]
     if accounted:
@@ -255,6 +275,7 @@ def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
         why = f"two per pipeline block ({blocks} blocks), the {counted} counted as one, as your line splits them"
         scaler.set("--num-layers", [str(layers)], why)
     else:
+        layers = blocks
         scaler.set("--num-layers", [str(blocks)], f"one layer per pipeline block ({blocks} blocks)")
     if args.num_layers_per_virtual_pipeline_stage:
         _set_ours(scaler, "num_layers_per_virtual_pipeline_stage", ["1"])
@@ -286,6 +307,7 @@ def _model(scaler: Scaler, tp: int, pp: int, blocks: int) -> None:
     _set_ours(scaler, "seq_length", [str(SEQUENCE)])
     if args.max_position_embeddings is not None:
         _set_ours(scaler, "max_position_embeddings", [str(SEQUENCE)])
+    return hidden, layers
 
 
 def _batch(scaler: Scaler, pp: int, limits: Limits) -> None:
@@ -399,6 +421,8 @@ def _checkpoints(scaler: Scaler, limits: Limits) -> None:
 def _cpu(scaler: Scaler) -> None:
     """Transformer Engine, fp8/fp4, CUDA graphs and fused kernels off; the rest of the math as given."""
     for dest, why in GPU_ONLY.items():
+        scaler.drop(dest, why)
+    for dest, why in preflight.CPU_DROPPED.items():
         scaler.drop(dest, why)
     for setting in preflight.cpu_additions([], scaler.parser):
         scaler.set(setting.flag, None if setting.value is None else [setting.value], setting.why)

@@ -171,9 +171,66 @@ def test_unknown_flags_are_all_named_in_one_message() -> None:
     assert code == 2 and "2 flags that Megatron-LM" in err and "--fooo 1, --baar" in err
 
 
-def test_moe_is_refused_by_name() -> None:
-    code, _, err = run_main(["--", *example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--num-experts", "8"])
-    assert code == 2 and "--num-experts 8: mixture-of-experts layers are not supported" in err
+# A DeepSeek-style MoE on the Llama line: 64 experts on EP 8, group-limited top-6, a shared expert, 2 dense layers
+MOE = (
+    "--num-experts 64 --expert-model-parallel-size 8 --moe-router-topk 6 --moe-router-num-groups 8 "
+    "--moe-router-group-topk 4 --moe-ffn-hidden-size 1408 --moe-shared-expert-intermediate-size 2816 "
+    "--moe-layer-freq ([0]*2+[1]*30) --moe-grouped-gemm --moe-token-dispatcher-type alltoall "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3 --moe-router-dtype fp32"
+).split()
+
+
+@pytest.mark.parametrize("zero_bubble, layers, pattern", [("--enable-zero-bubble", "2", "[0,1]"),
+                                                          ("--zero-bubble-v-schedule", "4", "[0,1,1,1]")])  # fmt: skip
+def test_moe_line_scales_its_experts_to_the_processes(tmp_path: Path, zero_bubble: str, layers: str, pattern: str):
+    from megatron_zb.megatron_lm import preflight
+
+    line = scaled([*example("llama3_8b_core_v0.19.0"), *MOE, zero_bubble], tmp_path)
+    argv, why = line.argv, {change.flag: change.why for change in line.changes}
+    # tp 1: verify runs two data-parallel copies (pp 2 x dp 2) to carve expert parallelism 2 from
+    assert line.processes == 4 and values(argv, "--expert-model-parallel-size") == ["2"]
+    assert "two data-parallel copies" in why["--expert-model-parallel-size"]
+    # the fewest experts from 8 up that EP 2 and 8 groups with group top-4 take for top-6: 16 (2 per group)
+    assert values(argv, "--num-experts") == ["16"] and "router groups" in why["--num-experts"]
+    assert values(argv, "--moe-router-topk") == ["6"] and values(argv, "--moe-router-num-groups") == ["8"]
+    # expert and shared-expert FFNs keep their ratio to the hidden size (64)
+    assert values(argv, "--moe-ffn-hidden-size") == ["22"] and values(
+        argv, "--moe-shared-expert-intermediate-size"
+    ) == ["44"]
+    assert values(argv, "--num-layers") == [layers] and values(argv, "--moe-layer-freq") == [pattern]
+    assert "--moe-grouped-gemm" not in argv and "SequentialMLP" in why["--moe-grouped-gemm"]
+    for kept in (
+        "--moe-router-load-balancing-type seq_aux_loss",
+        "--moe-aux-loss-coeff 1e-3",
+        "--moe-router-dtype fp32",
+    ):
+        assert kept in line.kept
+    for run in (line.argv, line.reference_argv):
+        preflight.validate(PARSER, run, line.processes)  # Megatron-LM and megatron-zb take the scaled copy
+
+
+def test_moe_expert_tensor_parallelism_gives_way_to_expert_parallelism(tmp_path: Path) -> None:
+    """tp 4, etp 2, ep 2 (a functional-test line) on pp 2 x tp 2: ep x etp must divide tp x dp = 2; ep goes first."""
+    extra = "--num-experts 8 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-router-topk 2"
+    line = scaled([*example("llama3_8b_core_v0.19.0"), "--tensor-model-parallel-size", "4", *extra.split(),
+                   "--enable-zero-bubble"], tmp_path)  # fmt: skip
+    argv = line.argv
+    assert values(argv, "--tensor-model-parallel-size") == ["2"] and values(argv, "--num-experts") == ["8"]
+    assert values(argv, "--expert-model-parallel-size") == ["2"]
+    assert values(argv, "--expert-tensor-parallel-size") == ["1"]
+    assert line.processes == 4
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "CUDA kernels", "alltoall"]),
+    ("--overlap-moe-expert-parallel-comm", ["--overlap-moe-expert-parallel-comm", "CUDA streams"]),
+])  # fmt: skip
+def test_moe_features_a_cpu_cannot_run_are_refused_before_any_process(extra: str, words: list[str]) -> None:
+    argv = [*example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--num-experts", "8", *extra.split()]
+    code, out, err = run_main(["--", *argv])
+    assert code == 2 and "gloo processes" not in out
+    for word in words:
+        assert word in err, err
 
 
 def test_a_line_without_a_zero_bubble_schedule_is_refused() -> None:

@@ -205,10 +205,10 @@ def megatron_lm_refuses_the_line() -> str:
     return verify.LINE_REFUSED.format(error="Megatron-LM 0.19.2's validate_args refuses it: ...")
 
 
-def moe() -> None:
+def moe_flex() -> None:
     from megatron_zb.verify.scale import refuse
 
-    refuse(SimpleNamespace(num_experts=8, yaml_cfg=None))
+    refuse(SimpleNamespace(num_experts=8, moe_token_dispatcher_type="flex"))
 
 
 def check_tolerance(value: float) -> None:
@@ -357,7 +357,6 @@ CASES = [
         "megatron-zb schedules do not support --context-parallel-size > 1 yet",
         lambda _: megatron(context_parallel_size=2),
     ),
-    ("megatron-zb schedules do not support MoE models (--num-experts) yet", lambda _: megatron(num_experts=8)),
     (
         "megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet",
         lambda _: megatron(mtp_num_layers=1),
@@ -419,7 +418,10 @@ CASES = [
     ("--tokenizer-type GPT2BPETokenizer needs --vocab-file", lambda _: train("--tokenizer-type GPT2BPETokenizer")),
     ("give --mock-data (synthetic sequences)", lambda _: _without("--mock-data")),
     ("--mock-data needs --vocab-size", lambda _: _without("--vocab-size 256")),
-    ("--num-experts: this launcher builds dense GPT models only", lambda _: train("--num-experts 8")),
+    (
+        "--num-experts 8 does not divide by --expert-model-parallel-size 3",
+        lambda _: train("--num-experts 8 --expert-model-parallel-size 3"),
+    ),
     ("--context-parallel-size > 1 is not supported by this launcher yet", lambda _: train("--context-parallel-size 2")),
     ("--trace-file traces megatron-zb's passes: choose a schedule", lambda _: train("--trace-file out/t.json")),
     ("--fp16 and --bf16 are exclusive", lambda _: train("--fp16 --bf16")),
@@ -456,7 +458,7 @@ CASES = [
     # verify
     ("values that follow no flag", lambda _: unknown_to("0.19.2", "--hidden-size", "64", "128")),
     ("your line, before any scaling: Megatron-LM", lambda _: megatron_lm_refuses_the_line()),
-    ("mixture-of-experts layers are not supported by megatron-zb yet", lambda _: raised(moe)),
+    ("--moe-token-dispatcher-type flex: the flex dispatcher is DeepEP's or HybridEP's", lambda _: raised(moe_flex)),
     (
         "--verify-tolerance nan: give a finite relative difference of 0 or more",
         lambda _: raised(lambda: check_tolerance(float("nan"))),

@@ -64,11 +64,22 @@ CASES = {
     "zb-v-tp2": f"--tensor-model-parallel-size 2 --zero-bubble-v-schedule {SAME_INIT}",
 }
 SAVED = ("zb-1p", "zb-v")  # saved at iteration 5 (and 10)
+# A Mixtral-style MoE line: 4 experts, top-2, the alltoall dispatcher, aux-loss balancing, a shared expert (no biases,
+# as megatron-core requires of it); pp 2 x dp 2 with expert parallelism 2 carved from data parallelism (4 gloo
+# processes); --moe-grouped-gemm is left out on CPU
+MOE = (
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-shared-expert-intermediate-size 32 "
+    "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-router-dtype fp32 --moe-grouped-gemm --expert-model-parallel-size 2 --disable-bias-linear "
+    f"--global-batch-size 8 {SAME_INIT}"
+)
+MOE_CASES = {"moe-1f1b": "", "moe-zb-1p": "--enable-zero-bubble", "moe-zb-v": "--zero-bubble-v-schedule"}
 
 
-def launch(flags: str, metrics: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch(flags: str, metrics: Path, *extra: str, processes: int | None = None) -> subprocess.CompletedProcess:
     root = checkouts.checkout(metrics.parent)
     command = [sys.executable, "-m", "megatron_zb.pretrain_gpt", "--megatron-lm", str(root), "--cpu"]
+    command += ["--cpu-procs", str(processes)] if processes else []
     command += [*MODEL.split(), *flags.split(), "--metrics-file", str(metrics), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
@@ -138,6 +149,28 @@ def test_resume_from_iteration_5_reproduces_6_to_10(tmp: Path, case: str, refere
     done = launch(CASES[case], metrics, "--train-iters", str(ITERATIONS), "--load", str(checkpoint))
     assert done.returncode == 0, done.stderr[-4000:]
     assert_close(losses(metrics), {it: loss for it, loss in reference.items() if it > 5})
+
+
+def test_moe_line_under_zb_1p_and_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> None:
+    """MoE layers through Megatron-LM's pretrain(): the losses and grad norms of zb-1p and zb-v equal megatron-core's
+    1F1B of the same line from the same weights (the experts' weight gradients deferred to W, the aux loss scaled on
+    every stage as megatron-core's schedule scales it, the all-to-alls over expert-parallel ranks)."""
+    rows = {}
+    for case, flags in MOE_CASES.items():
+        metrics = tmp / f"{case}.jsonl"
+        done = launch(f"{MOE} {flags}", metrics, "--train-iters", str(ITERATIONS), processes=4)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "--moe-grouped-gemm left out" in done.stderr and "SequentialMLP" in done.stderr
+        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+    reference = rows["moe-1f1b"]
+    assert sorted(reference) == list(range(1, ITERATIONS + 1))
+    assert reference[ITERATIONS]["loss"] < reference[1]["loss"]
+    for case in ("moe-zb-1p", "moe-zb-v"):
+        assert sorted(rows[case]) == sorted(reference), case
+        for iteration, row in reference.items():
+            found = rows[case][iteration]
+            assert found["loss"] == pytest.approx(row["loss"], rel=1e-5), (case, iteration)
+            assert found["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), (case, iteration)
 
 
 def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: Path) -> None:
