@@ -76,10 +76,18 @@ def lines(configs: Path) -> list[Line]:
 
 
 def _words(value: object) -> list[object]:
-    """A value as the runner passes it: one word, or several numbers ("2 2", "[2 2]") for a flag that takes a list."""
+    """A value as the runner passes it: one word, or several numbers ("2 2", "[2 2]") or words ("[attn mlp]") for a
+    flag that takes a list."""
     text = str(value).strip()
     numbers = text.strip("[]").replace(",", " ").split()
     if " " in text and all(re.fullmatch(r"-?[\d.]+(e-?\d+)?", number) for number in numbers):
+        return numbers
+    if (
+        " " in text
+        and text.startswith("[")
+        and text.endswith("]")
+        and all(re.fullmatch(r"[\w.-]+", w) for w in numbers)
+    ):
         return numbers
     return [value]
 
@@ -128,11 +136,13 @@ def table(results: dict[str, dict]) -> str:
     counts = {outcome: sum(row["outcome"] == outcome for row in results.values()) for outcome in OUTCOMES}
     head = ", ".join(f"{count} {outcome}" for outcome, count in counts.items() if count)
     checkouts = sorted({row.get("checkout", "?") for row in results.values()})
+    suites = sorted({row["configs"] for row in results.values() if row.get("configs")})
+    where = f" Configs: {', '.join(suites)}." if suites else ""
     rows = [
         "# Megatron-LM's functional-test lines through `megatron-zb verify`",
         "",
         "Written by `scripts/verify_campaign.py` (see its docstring; docs/compatibility.md says how it was run). "
-        f"Megatron-LM: {', '.join(checkouts)}. {len(results)} lines: {head}.",
+        f"Megatron-LM: {', '.join(checkouts)}.{where} {len(results)} lines: {head}.",
         "",
         "| line | flag | outcome | why | s |",
         "|---|---|---|---|---|",
@@ -158,7 +168,9 @@ def read_results(path: Path) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--configs", type=Path, default=CONFIGS, help="folder of <line>/model_config.yaml")
+    parser.add_argument(
+        "--configs", type=Path, nargs="+", default=[CONFIGS], help="folder(s) of <line>/model_config.yaml"
+    )
     parser.add_argument("--megatron-lm", default=None, metavar="PATH", help="the checkout verify runs (its own flag)")
     parser.add_argument("--flag", default="--enable-zero-bubble", help="the zero-bubble flag(s) added to every line")
     parser.add_argument("--results", type=Path, required=True, help="JSON lines, appended to and resumed from")
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, metavar="LINE", help="run only these lines")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per verify (default 900)")
     options = parser.parse_args(argv)
-    every = lines(options.configs)
+    every = [line for folder in options.configs for line in lines(folder)]
+    suite = {line.name: folder.name for folder in options.configs for line in lines(folder)}
     if not every:
         parser.error(f"no model_config.yaml under {options.configs}")
     chosen = [line for line in every if options.only is None or line.name in options.only]
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             "line": line.name,
             "flag": options.flag,
             "checkout": checkout_name(options.megatron_lm),
+            "configs": suite[line.name],
             **run(line, options.megatron_lm, options.flag.split(), options.timeout),
         }
         results[line.name] = found
