@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy
 import torch
 
+from .moe_checks import MOE_ONLY
+
 # Flags copied under their own names, as Megatron-LM's core_*_config_from_args do.
 TRANSFORMER_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "tensor_model_parallel_size",
@@ -21,15 +23,6 @@ TRANSFORMER_FIELDS = (
     "init_method_std", "fp16", "bf16", "kv_channels", "normalization", "layernorm_epsilon",
     "layernorm_zero_centered_gamma", "add_bias_linear", "qk_layernorm", "expert_model_parallel_size",
     "expert_tensor_parallel_size",
-)  # fmt: skip
-# MoE flags copied under their own names when --num-experts is given (num_experts becomes num_moe_experts).
-MOE_FIELDS = (
-    "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
-    "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_dtype",
-    "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-    "moe_token_drop_policy",
 )  # fmt: skip
 OPTIMIZER_FIELDS = (
     "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "fp16",
@@ -119,7 +112,7 @@ def _derived_fields(args: argparse.Namespace) -> dict:
     if args.swiglu:
         fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     if args.num_experts:
-        fields.update(_same_names(args, MOE_FIELDS), num_moe_experts=args.num_experts)
+        fields.update(_same_names(args, MOE_ONLY), num_moe_experts=args.num_experts)
     return fields
 
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-# The MoE flags that only matter with --num-experts (their fields); Megatron-LM accepts them alone and ignores them.
-MOE_ONLY = (
-    "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
-    "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_dtype",
-    "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-    "moe_token_drop_policy",
-)  # fmt: skip
+from ..flags.launcher import MOE
+
+# The MoE flags that only matter with --num-experts (their fields): the table's MoE group but --num-experts itself.
+# Megatron-LM accepts them alone and ignores them; the launcher copies them into megatron-core's config by name.
+MOE_ONLY = tuple(row.name for row in MOE if row.name != "num_experts")
 _PATTERN_CHARS = frozenset("0123456789[](),+* ")
 
 
