@@ -83,6 +83,9 @@ GPU_ONLY = {
                           "--moe-token-dispatcher-type alltoall (or allgather)"),
     "overlap_moe_expert_parallel_comm": (bool, "megatron-core's expert-parallel all-to-all overlap runs on CUDA "
                                          "streams and needs Transformer Engine", "leave it out on CPU"),
+    "experimental_attention_variant": (lambda v: v is not None, "megatron-core's experimental attention variants "
+                                       "(gated delta net, ...) build with Transformer Engine only",
+                                       "run it on a GPU"),
 }  # fmt: skip
 
 

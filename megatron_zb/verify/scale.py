@@ -90,6 +90,8 @@ NOT_USED = {
 REFUSED = {
     "multi_latent_attention": "--multi-latent-attention: megatron-core's local layer spec, the one a CPU runs, cannot "
     "build multi-latent attention (it needs Transformer Engine, on a GPU); verify the line without it, or on a GPU",
+    "experimental_attention_variant": "--experimental-attention-variant {value}: megatron-core's experimental "
+    "attention variants build with Transformer Engine only (a GPU); verify the line without it, or on a GPU",
     "use_torch_fsdp2": row("use_torch_fsdp2").verify,
     "yaml_cfg": "--yaml-cfg: verify scales a command line, not a YAML config; give the flags on the line",
     "moe_enable_deepep": "--moe-enable-deepep: DeepEP's token dispatcher is CUDA kernels across GPUs, which a CPU "
