@@ -98,22 +98,21 @@ def check_moe_schedule(args: argparse.Namespace) -> None:
     """What a schedule that keeps two copies of each block (BitPipe) cannot train alike: router state per copy.
 
     Each copy's router sees only its own direction's microbatches. The gradients of the copies are summed, but
-    the expert bias's token counts (--moe-router-enable-expert-bias) and global_aux_loss's running token counts
-    are buffers of each copy: they would differ from the single copy's of megatron-core's schedule.
+    the running token counts of global_aux_loss are buffers of each copy: they would differ from the single
+    copy's of megatron-core's schedule. (The expert bias's counts are summed between the copies with the gradients:
+    ``runtime/dp/replicas.py``.)
     """
     if not args.num_experts or args.zero_bubble is None or not args.zero_bubble.shared:
         return
     kinds = args.moe_router_load_balancing_type
     kinds = kinds if isinstance(kinds, list) else [kinds]
-    state = "--moe-router-enable-expert-bias" if args.moe_router_enable_expert_bias else None
-    if state is None and "global_aux_loss" in kinds:
+    if "global_aux_loss" in kinds:
         state = "--moe-router-load-balancing-type global_aux_loss"
-    if state is not None:
         raise ValueError(
             f"--pipeline-schedule {args.zero_bubble.schedule} with {state}: the schedule keeps two copies of each "
-            "layer, each routing half of the microbatches, and the router's token counts are per copy (only "
-            "gradients are summed between copies); use a schedule with one copy (zb-1p, zb-v, breadth-first-zb) or "
-            "another balancing"
+            "layer, each routing half of the microbatches, and global_aux_loss's running token counts are per copy "
+            "(the gradients and the expert bias's counts are summed between copies, these are not); use a schedule "
+            "with one copy (zb-1p, zb-v, breadth-first-zb) or another balancing"
         )
 
 

@@ -107,17 +107,17 @@ def pool2(worker_pools) -> WorkerPool:
     return worker_pools.get(2)
 
 
-# The third schedule: BitPipe's two pipes for Mixtral; interleaved zero bubble for DeepSeek, whose expert bias BitPipe
-# refuses (each copy of a layer would count its own tokens).
-THIRD = {"mixtral": "bitpipe-zb", "deepseek": "breadth-first-zb"}
+# Beside zb-1p and zb-v: the automatic V, BitPipe's two pipes (each copy of a layer routes half the microbatches:
+# the copies' gradients and expert-bias counts are summed) and, for DeepSeek, breadth-first with the B/W split.
+MORE = {"mixtral": ("v-auto", "bitpipe-zb"), "deepseek": ("v-auto", "bitpipe-zb", "breadth-first-zb")}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_ep1_schedules_equal_megatron_cores_and_resume_exactly(pool2: WorkerPool, model: str, tmp_path: Path) -> None:
-    """pp 2: megatron-core's 1F1B, zb-1p, zb-v and a third schedule (THIRD); then zb-v halfway and resumed."""
+    """pp 2: megatron-core's 1F1B, zb-1p, zb-v and MORE; then zb-v halfway and resumed."""
     iterations = f"--train-iters {ITERATIONS}"
     runs = {"megatron-core": train(pool2, model, iterations)}
-    for name in ("zb-1p", "zb-v", THIRD[model]):
+    for name in ("zb-1p", "zb-v", *MORE[model]):
         runs[name] = train(pool2, model, f"{iterations} --pipeline-schedule {name}")
     assert_agree(runs)
     saved = tmp_path / "checkpoints"
@@ -141,7 +141,7 @@ def test_ep2_schedules_equal_megatron_cores(pool4: WorkerPool, model: str) -> No
     assert sorted({layer for rank in built for layer, _, _ in rank}) == list(range(first, 5))
     assert all(local == 4 and total == 8 for rank in built for _, local, total in rank)
     runs = {"megatron-core": train(pool4, model, extra)}
-    for name in ("zb-1p", "zb-v"):
+    for name in ("zb-1p", "zb-2p", "zb-v"):
         runs[name] = train(pool4, model, f"{extra} --pipeline-schedule {name}")
     assert_agree(runs)
 
@@ -159,8 +159,8 @@ def test_moe_flags_are_checked_before_anything_starts() -> None:
         "--expert-model-parallel-size 2": "--expert-model-parallel-size 2 needs --num-experts",
         "--num-experts 8 --expert-model-parallel-size 2 --save ckpt": "--save with --expert-model-parallel-size 2",
         "--num-experts 8 --moe-router-enable-expert-bias": "needs --moe-router-score-function sigmoid",
-        f"{DEEPSEEK} --pipeline-schedule bitpipe-zb": "bitpipe-zb with --moe-router-enable-expert-bias: the schedule "
-        "keeps two copies",
+        f"{MIXTRAL.replace('aux_loss', 'global_aux_loss')} --pipeline-schedule bitpipe-zb": "bitpipe-zb with "
+        "--moe-router-load-balancing-type global_aux_loss: the schedule keeps two copies",
     }
     for flags, message in refusals.items():
         with pytest.raises(ValueError) as refused:

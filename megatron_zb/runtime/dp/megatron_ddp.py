@@ -16,7 +16,7 @@ import torch
 
 from ...schedule.lower import DataParallel
 from .base import DataParallelPlanError, Handle, Ready
-from .replicas import sum_replica_grads
+from .replicas import sum_replica_grads, sum_replica_router_counts
 
 
 def _per_chunk(hook, chunk: int):
@@ -79,6 +79,7 @@ class MegatronDDPBackend:
         if group is None:
             raise DataParallelPlanError(f"REPLICA_SYNC of chunk {chunk}: no other copy of its block is known")
         sum_replica_grads(self.models[chunk], group)
+        sum_replica_router_counts(self.models[chunk], group)  # the expert bias's, counted by each copy
 
     def finish(self) -> None:
         self._param_synced.clear()

@@ -5,7 +5,9 @@ over all ranks), for every pipeline of the job: the pipelines' global ranks are 
 ``sum_replica_grads`` adds a chunk's gradients to those of its copy on the partner rank: the two
 copies saw disjoint halves of the batch, and the loss is normalised over the whole batch, so the
 sum is the full gradient, the one 1F1B computes (BitPipe's reference normalises each direction
-over its half and averages instead; the result is the same).
+over its half and averages instead; the result is the same). ``sum_replica_router_counts`` does the
+same for what MoE routers count for their expert bias: each copy routed half of the microbatches, and
+the bias update after the step must see all of them, as the single copy of 1F1B does.
 """
 
 from __future__ import annotations
@@ -64,3 +66,24 @@ def sum_replica_grads(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def sum_replica_router_counts(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum the MoE routers' token counts (``local_tokens_per_expert``, the expert bias's) with the copy's.
+
+    The routers come in the same order on both copies; a chunk without expert-bias routers does nothing.
+    """
+    counts = [
+        module.local_tokens_per_expert
+        for module in model.modules()
+        if torch.is_tensor(getattr(module, "local_tokens_per_expert", None))
+    ]
+    if not counts:
+        return
+    flat = torch.cat([count.reshape(-1).float() for count in counts])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    with torch.no_grad():
+        for count in counts:
+            count.copy_(flat[offset : offset + count.numel()].view_as(count))
+            offset += count.numel()
