@@ -107,9 +107,11 @@ def pool2(worker_pools) -> WorkerPool:
     return worker_pools.get(2)
 
 
-# Beside zb-1p and zb-v: the automatic V, BitPipe's two pipes (each copy of a layer routes half the microbatches:
-# the copies' gradients and expert-bias counts are summed) and, for DeepSeek, breadth-first with the B/W split.
-MORE = {"mixtral": ("v-auto", "bitpipe-zb"), "deepseek": ("v-auto", "bitpipe-zb", "breadth-first-zb")}
+# Beside zb-1p and zb-v: the automatic V, interleaved zero bubble (Mixtral), BitPipe's two pipes (each copy of a
+# layer routes half the microbatches: the copies' gradients and expert-bias counts are summed) and, for DeepSeek,
+# breadth-first with the B/W split.
+INTERLEAVED = "zb-1p --virtual-pipeline-model-parallel-size 2"  # interleaved zero bubble: two chunks per rank
+MORE = {"mixtral": ("v-auto", "bitpipe-zb", INTERLEAVED), "deepseek": ("v-auto", "bitpipe-zb", "breadth-first-zb")}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
