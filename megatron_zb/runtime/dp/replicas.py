@@ -57,15 +57,7 @@ def sum_replica_grads(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
         grad = grad if grad is not None else param.grad
         if grad is not None:
             grads.append(grad)
-    if not grads:
-        return
-    flat = torch.cat([grad.reshape(-1).float() for grad in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    with torch.no_grad():
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+    _sum_over(grads, group)
 
 
 def sum_replica_router_counts(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
@@ -78,12 +70,17 @@ def sum_replica_router_counts(model: torch.nn.Module, group: dist.ProcessGroup) 
         for module in model.modules()
         if torch.is_tensor(getattr(module, "local_tokens_per_expert", None))
     ]
-    if not counts:
+    _sum_over(counts, group)
+
+
+def _sum_over(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Each tensor summed in place with its copy's on the other rank of ``group``: one all-reduce for all of them."""
+    if not tensors:
         return
-    flat = torch.cat([count.reshape(-1).float() for count in counts])
+    flat = torch.cat([tensor.reshape(-1).float() for tensor in tensors])
     dist.all_reduce(flat, group=group)
     offset = 0
     with torch.no_grad():
-        for count in counts:
-            count.copy_(flat[offset : offset + count.numel()].view_as(count))
-            offset += count.numel()
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
