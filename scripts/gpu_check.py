@@ -14,8 +14,13 @@ GPTModel (local layer spec: its own ColumnParallelLinear/RowParallelLinear, no T
 4. the Llama-3 8B layer (GQA 32:8, SwiGLU, RMSNorm, no linear biases, RoPE, seq 4096): exactness
    (W in B order, fp32 and bf16) and costs (bf16), with megatron-core's local spec and, where
    Transformer Engine is importable, its TE spec (``delay_wgrad_compute``, W by ``backward_dw()``).
+5. an MoE layer (hidden 1024, 8 experts top-2, SwiGLU expert FFN 1024, alltoall dispatcher at EP 1,
+   aux loss, seq 4096): exactness (W in B order, fp32 and bf16: every parameter and input gradient)
+   and costs (bf16), with the local spec (``SequentialMLP`` experts, their linears split by us) and,
+   where Transformer Engine is importable, the TE spec with grouped experts (``TEGroupedMLP``,
+   ``moe_grouped_gemm``, ``delay_wgrad_compute``, W by ``backward_dw()``).
 
-Parts 1-3 are ``--only gpt``, part 4 is ``--only llama``. Run on one GPU:
+Parts 1-3 are ``--only gpt``, part 4 is ``--only llama``, part 5 is ``--only moe``. Run on one GPU:
 ``python scripts/gpu_check.py --output docs/gpu_check.md`` (``--device cpu`` runs the same checks
 small, as a dry run; ``--output`` with ``--only`` rewrites only that part of the file).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -59,10 +65,33 @@ LLAMA3_8B = Llama(hidden=4096, heads=32, query_groups=8, kv_channels=128, ffn=14
 LLAMA_DRY_RUN = Llama(hidden=128, heads=8, query_groups=2, kv_channels=16, ffn=448, seq=64)  # same structure, tiny
 ROPE_BASE = 500_000  # Llama 3's
 LLAMA_HEADING = "## Llama-3 8B layer"
-PARTS = ("gpt", "llama")
+
+
+class Moe(NamedTuple):
+    """An MoE layer (attention, then routed experts with SwiGLU FFNs; RMSNorm, no linear biases) and its sizes."""
+
+    hidden: int
+    heads: int
+    experts: int
+    topk: int
+    ffn: int  # of each expert
+    seq: int
+    micro_batch: int = 1
+    dispatcher: str = "alltoall"
+    aux_loss_coeff: float = 1e-2
+
+
+MOE_LAYER = Moe(hidden=1024, heads=16, experts=8, topk=2, ffn=1024, seq=4096)
+MOE_DRY_RUN = Moe(hidden=64, heads=4, experts=8, topk=2, ffn=64, seq=64)  # same structure, small
+MOE_HEADING = "## MoE layer"
+PARTS = ("gpt", "llama", "moe")
+HEADINGS = {"llama": LLAMA_HEADING, "moe": MOE_HEADING}  # the parts after the first, in file order
 # Seconds, guessed for one H100 from the FLOPs and the CPU-side initialisation (not measured on a GPU
 # yet; the Llama part builds up to 15 Llama layers on the CPU, 1.6 s each on 2 CPU cores); and the dry run.
-ESTIMATE_S = {"cuda": {"start-up": 30, "gpt": 90, "llama": 120}, "cpu": {"start-up": 30, "gpt": 5, "llama": 5}}
+ESTIMATE_S = {
+    "cuda": {"start-up": 30, "gpt": 90, "llama": 120, "moe": 60},
+    "cpu": {"start-up": 30, "gpt": 5, "llama": 5, "moe": 5},
+}
 
 
 def init(device: torch.device) -> None:
@@ -92,10 +121,14 @@ def transformer_config(
     dtype: torch.dtype,
     *,
     llama: Llama | None = None,
+    moe: Moe | None = None,
+    grouped_gemm: bool = False,
     delay_wgrad: bool = False,
     wgrad_fusion: bool = False,
 ):
-    """A GPT layer's config; with ``llama``, a Llama-style one (its query groups, kv channels and FFN).
+    """A GPT layer's config; with ``llama``, a Llama-style one (its query groups, kv channels and FFN);
+    with ``moe``, an MoE one (its experts, SwiGLU, RMSNorm, no linear biases; ``grouped_gemm``: one
+    grouped GEMM for all experts, TE spec only).
 
     ``delay_wgrad``: Transformer Engine layers built from it leave their weight gradients to
     ``backward_dw()``. ``wgrad_fusion``: weight gradients accumulate into ``main_grad``.
@@ -112,6 +145,20 @@ def transformer_config(
             "activation_func": torch.nn.functional.silu,
             "normalization": "RMSNorm",
             "add_bias_linear": False,
+        }
+    if moe is not None:
+        architecture = {
+            "gated_linear_unit": True,
+            "activation_func": torch.nn.functional.silu,
+            "normalization": "RMSNorm",
+            "add_bias_linear": False,
+            "num_moe_experts": moe.experts,
+            "moe_router_topk": moe.topk,
+            "moe_ffn_hidden_size": moe.ffn,
+            "moe_token_dispatcher_type": moe.dispatcher,
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": moe.aux_loss_coeff,
+            "moe_grouped_gemm": grouped_gemm,
         }
     config = TransformerConfig(
         num_layers=layers,
@@ -147,16 +194,18 @@ def gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int, dtype: torch
     return model.to(device=device, dtype=dtype)  # the local spec's norms are built in fp32
 
 
-def layer_spec(spec: str, rms_norm: bool = False):
+def layer_spec(spec: str, rms_norm: bool = False, num_experts: int | None = None, grouped_gemm: bool = False):
     """megatron-core's layer spec: "local" (its own linears and norms) or "te" (Transformer Engine's).
 
-    The TE spec's norms follow ``config.normalization``; the local spec is told.
+    The TE spec's norms follow ``config.normalization``; the local spec is told. With ``num_experts``
+    the MLP is an MoE layer: local spec, ``SequentialMLP``; TE spec with ``grouped_gemm``, ``TEGroupedMLP``.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe = {"num_experts": num_experts, "moe_grouped_gemm": grouped_gemm} if num_experts else {}
     if spec == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm" if rms_norm else None)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm" if rms_norm else None, **moe)
 
 
 def transformer(config, spec: str, dtype: torch.dtype, device: torch.device, *, block: bool = False, like=None):
@@ -169,7 +218,7 @@ def transformer(config, spec: str, dtype: torch.dtype, device: torch.device, *, 
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     torch.manual_seed(1234)
-    layer = layer_spec(spec, rms_norm=config.normalization == "RMSNorm")
+    layer = layer_spec(spec, config.normalization == "RMSNorm", config.num_moe_experts, config.moe_grouped_gemm)
     module = TransformerBlock(config, layer) if block else TransformerLayer(config, layer.submodules, layer_number=1)
     module = module.to(device=device, dtype=dtype)  # the local spec's norms are built in fp32
     if like is not None:
@@ -464,6 +513,133 @@ def llama_part(s: Llama, repeats: int, device: torch.device) -> dict:
     }
 
 
+def moe(s: Moe, spec: str, dtype: torch.dtype, device: torch.device, **options):
+    """One MoE layer (TE spec: grouped experts); ``options``: ``transformer_config``'s and ``like``."""
+    like = options.pop("like", None)
+    config = transformer_config(s.hidden, 1, s.heads, dtype, moe=s, grouped_gemm=spec == "te", **options)
+    return transformer(config, spec, dtype, device, like=like)
+
+
+def fresh_aux_loss_scale() -> None:
+    """megatron-core's class-global aux-loss backward scale: unset, so the first backward makes it 1."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def moe_exactness(s: Moe, spec: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """B with W deferred, then the Ws in B order, against the plain backward of the same MoE layer.
+
+    Four microbatches; every parameter gradient and the input gradients. Local spec: the experts'
+    linears (``SequentialMLP``) and attention's go through our split. TE spec: the split layer defers by
+    delay_wgrad_compute (attention's TE linears and the experts' grouped linears), the plain one is a
+    copy built without it; both accumulate weight gradients into ``main_grad`` as under DDP. The
+    router computes its weight gradient in B either way, the aux loss backpropagates in B.
+    """
+    fresh_aux_loss_scale()
+    te = spec == "te"
+    split = moe(s, spec, dtype, device, delay_wgrad=te, wgrad_fusion=te)
+    plain = moe(s, spec, dtype, device, wgrad_fusion=te, like=split) if te else split
+    generator = torch.Generator().manual_seed(7)
+    shape = (s.seq, s.micro_batch, s.hidden)
+    data = []
+    for _ in range(4):
+        x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
+        data.append((x, torch.randn(shape, generator=generator).to(device, dtype)))
+
+    def forward(layer, x):
+        out = layer(x, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    def input_grads() -> dict[str, torch.Tensor]:
+        found = {f"input {microbatch}": x.grad.float().clone() for microbatch, (x, _) in enumerate(data)}
+        for x, _ in data:
+            x.grad = None
+        return found
+
+    for x, grad_out in data:
+        forward(plain, x).backward(grad_out)
+    reference = grads(plain)
+    reference_inputs = input_grads()
+    clear(plain)
+    del plain
+
+    store = WeightGradStore()
+    delayed = te_wgrad.delayed_wgrad_layers(split)
+    assert delayed or not te, "no Transformer Engine layer defers its weight gradient (need_backward_dw())"
+    grouped = [layer for layer in delayed if "Grouped" in type(layer).__name__]
+    assert grouped or not te, "the experts' grouped linears do not defer their weight gradients"
+    for microbatch, (x, grad_out) in enumerate(data):
+        with store.recording():
+            out = forward(split, x)
+        with store.deferring((0, microbatch), [te_wgrad.BackwardDwJob(delayed)] if delayed else []):
+            out.backward(grad_out)
+    after_b = grads(split)
+    deferred = set(reference) - set(after_b)
+    queued = store.queued
+    for microbatch in range(len(data)):
+        store.run((0, microbatch))
+    store.check_empty()
+    bitwise, worst = compare(grads(split) | input_grads(), reference | reference_inputs)
+    assert deferred, "no weight gradient was deferred: the split did not engage"
+    experts = [name for name in reference if ".experts." in name]
+    routers = [name for name in reference if name.endswith("router.weight")]
+    return {
+        "spec": spec,
+        "dtype": str(dtype).removeprefix("torch."),
+        "experts_module": type(split.mlp.experts).__name__,
+        "seq": s.seq,
+        "parameters": len(reference),
+        "deferred_until_w": len(deferred),
+        "expert_weights": len(experts),
+        "expert_weights_deferred": sum(name in deferred for name in experts),
+        "expert_weights_nonzero": sum(bool(reference[name].any()) for name in experts),
+        "router_final_after_b": bool(routers)
+        and all(name in after_b and torch.equal(after_b[name], reference[name]) for name in routers),
+        "delayed_te_layers": len(delayed),
+        "w_jobs": queued,
+        "bitwise_equal": bitwise,
+        "worst_relative": worst,
+    }
+
+
+def moe_costs(s: Moe, spec: str, repeats: int, device: torch.device) -> dict:
+    """F, B (W deferred), W and plain backward of one MoE layer, bf16 (fp32 on the CPU dry run)."""
+    fresh_aux_loss_scale()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    te = spec == "te"
+    split = moe(s, spec, dtype, device, delay_wgrad=te)
+    plain = moe(s, spec, dtype, device, like=split) if te else split
+    timings = layer_costs(plain, split, s.seq, s.micro_batch, None, repeats, device)
+    return {"spec": spec, "dtype": str(dtype).removeprefix("torch."), **timings}
+
+
+def moe_part(s: Moe, repeats: int, device: torch.device) -> dict:
+    """The MoE layer with the local spec and, where Transformer Engine can run, the TE spec (grouped experts)."""
+    specs, skipped = ["local"], {}
+    reason = te_unavailable(device)
+    if reason is None:
+        specs.append("te")
+    else:
+        skipped["te"] = reason
+        print(f"MoE layer, TE spec: skipped: {reason}", flush=True)
+    exact = [
+        attempt({"spec": spec, "dtype": str(dtype).removeprefix("torch.")}, moe_exactness, s, spec, dtype, device)
+        for spec in specs
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    print(json.dumps(exact, indent=1), flush=True)
+    cost = [attempt({"spec": spec}, moe_costs, s, spec, repeats, device) for spec in specs]
+    print(json.dumps(cost, indent=1), flush=True)
+    return {
+        "shape": s._asdict(),
+        "transformer_engine": te_version(),
+        "skipped": skipped,
+        "exactness": exact,
+        "costs": cost,
+    }
+
+
 def timed(fn, repeats: int, device: torch.device) -> float:
     """Median milliseconds of ``fn`` (which returns nothing) after two warm-ups."""
     return statistics.median([timed_once(fn, device) for _ in range(repeats + 2)][2:])
@@ -662,12 +838,78 @@ def llama_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def moe_markdown(result: dict) -> str:
+    part = result["moe"]
+    s = Moe(**part["shape"])
+    lines = [
+        MOE_HEADING,
+        "",
+        f"Measured with `{result['command']}` on {result['device_name']} (torch {result['torch']}, megatron-core "
+        f"{result['megatron_core']}, Transformer Engine {part['transformer_engine'] or 'not installed'}).",
+        "",
+        f"The layer: one megatron-core TransformerLayer, hidden {s.hidden}, {s.heads} heads, then an MoE MLP of "
+        f"{s.experts} experts, top-{s.topk}, SwiGLU expert FFN {s.ffn}, {s.dispatcher} dispatcher at EP 1, aux loss "
+        f"(coefficient {s.aux_loss_coeff:g}); RMSNorm, no linear biases; seq {s.seq}, micro batch {s.micro_batch}.",
+        "Local spec: `SequentialMLP` experts (megatron-core's own linears), W queued by our split; TE spec:",
+        "`TEGroupedMLP` (`moe_grouped_gemm`) and TE attention linears built with `delay_wgrad_compute`, W by",
+        "their `backward_dw()`. The router's weight gradient is computed in B either way.",
+        "",
+        "Exactness: four microbatches; B with the weight gradients deferred, then the four W passes in B order,",
+        "against the plain backward of the same weights (TE spec: a copy built without `delay_wgrad_compute`;",
+        "both accumulate weight gradients into `main_grad`, as under megatron-core's DDP). Compared: every",
+        "parameter gradient and the four input gradients. Expert weights: deferred to W / with a non-zero",
+        "gradient (an expert that got tokens) / all.",
+        "",
+        "| spec | experts | dtype | parameters with gradients | deferred to W | expert weights | router final after B "
+        "| W jobs | bitwise equal | worst relative |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = [f"- {spec} spec: skipped: {reason}" for spec, reason in part["skipped"].items()]
+    for row in part["exactness"]:
+        if "error" in row:
+            notes.append(f"- {row['spec']} spec, {row['dtype']} exactness: failed: `{row['error']}`")
+            continue
+        lines.append(
+            f"| {row['spec']} | {row['experts_module']} | {row['dtype']} | {row['parameters']} | "
+            f"{row['deferred_until_w']} | {row['expert_weights_deferred']} / {row['expert_weights_nonzero']} / "
+            f"{row['expert_weights']} | {'yes' if row['router_final_after_b'] else 'no'} | {row['w_jobs']} | "
+            f"{'yes' if row['bitwise_equal'] else 'no'} | {row['worst_relative']:.2e} |"
+        )
+    lines += [
+        "",
+        "Costs of the layer (CUDA events, median of the timed repeats; B with W deferred):",
+        "",
+        "| spec | dtype | T_F (ms) | T_B (ms) | T_W (ms) | plain B+W (ms) | T_W/T_B | T_B/T_F | split B+W / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in part["costs"]:
+        if "error" in row:
+            notes.append(f"- {row['spec']} spec costs: failed: `{row['error']}`")
+            continue
+        lines.append(
+            f"| {row['spec']} | {row['dtype']} | {row['t_f_ms']:.3f} | {row['t_b_ms']:.3f} | {row['t_w_ms']:.3f} | "
+            f"{row['t_bw_plain_ms']:.3f} | {row['w_over_b']:.2f} | {row['b_over_f']:.2f} | "
+            f"{row['split_over_plain']:.3f} |"
+        )
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
 def write_markdown(path: Path, sections: dict[str, str]) -> None:
-    """Write the parts that ran; keep the other part of an existing file (the Llama section is last)."""
+    """Write the parts that ran; keep the other parts of an existing file (GPT first, then Llama, then MoE)."""
     old = path.read_text() if path.exists() else ""
-    head, heading, tail = old.partition(LLAMA_HEADING)
-    kept = {"gpt": head.rstrip("\n") + "\n" if head.strip() else "", "llama": heading + tail}
-    path.write_text("\n".join(text for text in (sections.get(part, kept[part]) for part in PARTS) if text))
+    starts = {}
+    for part, heading in HEADINGS.items():
+        found = re.search(rf"^{re.escape(heading)}\s*$", old, re.MULTILINE)
+        if found:
+            starts[part] = found.start()
+    bounds = sorted([*starts.values(), len(old)])
+    kept = {"gpt": old[: bounds[0]]}
+    for part, start in starts.items():
+        kept[part] = old[start : min(b for b in bounds if b > start)]
+    texts = [sections.get(part, kept.get(part, "")) for part in PARTS]
+    path.write_text("\n".join(text.rstrip("\n") + "\n" for text in texts if text.strip()))
 
 
 def gpt_part(device: torch.device) -> dict:
@@ -692,7 +934,11 @@ def repeats(device: torch.device) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a small dry run")
-    parser.add_argument("--only", choices=PARTS, help="run one part: gpt (checks 1-3) or llama (the Llama-3 8B layer)")
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        help="run one part: gpt (checks 1-3), llama (the Llama-3 8B layer) or moe (an MoE layer)",
+    )
     parser.add_argument("--output", help="write the markdown tables here (with --only: that part of the file)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
@@ -723,9 +969,12 @@ def main(argv: list[str] | None = None) -> int:
         if part == "gpt":
             result |= gpt_part(device)
             sections[part] = markdown(result)
-        else:
+        elif part == "llama":
             result["llama"] = llama_part(LLAMA3_8B if device.type == "cuda" else LLAMA_DRY_RUN, repeats(device), device)
             sections[part] = llama_markdown(result)
+        else:
+            result["moe"] = moe_part(MOE_LAYER if device.type == "cuda" else MOE_DRY_RUN, repeats(device), device)
+            sections[part] = moe_markdown(result)
         result["elapsed_s"][part] = round(time.perf_counter() - begin, 1)
         print(f"part {part}: {result['elapsed_s'][part]} s", flush=True)
     if args.output:
@@ -734,8 +983,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print("\n".join(sections[part] for part in parts))
     dist.destroy_process_group()
-    llama_rows = [*result["llama"]["exactness"], *result["llama"]["costs"]] if "llama" in result else []
-    return 1 if any("error" in row for row in llama_rows) else 0
+    rows = [
+        row for part in ("llama", "moe") if part in result for row in result[part]["exactness"] + result[part]["costs"]
+    ]
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":
