@@ -378,28 +378,25 @@ def runtime(name: str, dtype: torch.dtype, device: torch.device) -> dict:
     }
 
 
-def llama_exactness(s: Llama, spec: str, dtype: torch.dtype, device: torch.device) -> dict:
-    """B with W deferred, then the Ws in B order, against the plain backward of the same weights.
+class SplitCheck(NamedTuple):
+    reference: dict  # the plain backward's parameter gradients
+    after_b: dict  # the split's, after B only
+    deferred: set  # the parameters whose gradient waited for W
+    delayed: list  # the TE layers deferring by delay_wgrad_compute
+    queued: int  # W jobs queued
+    bitwise: bool
+    worst: float
 
-    A block of ``s.layers`` Llama layers, four microbatches; every parameter gradient and the input
-    gradients. TE spec: the split block defers by delay_wgrad_compute, the plain one is a copy built
-    without it, and both accumulate weight gradients into ``main_grad`` as under megatron-core's DDP
-    (without it, TE's ``backward_dw()`` sets ``.grad`` instead of adding to it).
-    """
-    te = spec == "te"
-    split = llama(s, spec, dtype, device, block=True, delay_wgrad=te, wgrad_fusion=te)
-    plain = llama(s, spec, dtype, device, block=True, wgrad_fusion=te, like=split) if te else split
-    rope = rotary(s, device)
+
+def split_against_plain(split, plain, forward, shape, dtype, device, te: bool, check=None) -> SplitCheck:
+    """Four microbatches through ``plain`` (plain backward) and ``split`` (B with W deferred, then the Ws in B
+    order): every parameter gradient and the input gradients compared. ``check(delayed)``: None, or what is wrong
+    with the layers that defer by delay_wgrad_compute."""
     generator = torch.Generator().manual_seed(7)
-    shape = (s.seq, s.micro_batch, s.hidden)
     data = []
     for _ in range(4):
         x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
         data.append((x, torch.randn(shape, generator=generator).to(device, dtype)))
-
-    def forward(block, x):
-        out = block(x, attention_mask=None, rotary_pos_emb=rope)
-        return out[0] if isinstance(out, tuple) else out
 
     def input_grads() -> dict[str, torch.Tensor]:
         found = {f"input {microbatch}": x.grad.float().clone() for microbatch, (x, _) in enumerate(data)}
@@ -417,17 +414,42 @@ def llama_exactness(s: Llama, spec: str, dtype: torch.dtype, device: torch.devic
     store = WeightGradStore()
     delayed = te_wgrad.delayed_wgrad_layers(split)
     assert delayed or not te, "no Transformer Engine layer defers its weight gradient (need_backward_dw())"
+    problem = check(delayed) if check is not None else None
+    assert problem is None, problem
     for microbatch, (x, grad_out) in enumerate(data):
         with store.recording():
             out = forward(split, x)
         with store.deferring((0, microbatch), [te_wgrad.BackwardDwJob(delayed)] if delayed else []):
             out.backward(grad_out)
-    deferred = set(reference) - set(grads(split))
+    after_b = grads(split)
     queued = store.queued
     for microbatch in range(len(data)):
         store.run((0, microbatch))
     store.check_empty()
     bitwise, worst = compare(grads(split) | input_grads(), reference | reference_inputs)
+    return SplitCheck(reference, after_b, set(reference) - set(after_b), delayed, queued, bitwise, worst)
+
+
+def llama_exactness(s: Llama, spec: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """B with W deferred, then the Ws in B order, against the plain backward of the same weights.
+
+    A block of ``s.layers`` Llama layers, four microbatches; every parameter gradient and the input
+    gradients. TE spec: the split block defers by delay_wgrad_compute, the plain one is a copy built
+    without it, and both accumulate weight gradients into ``main_grad`` as under megatron-core's DDP
+    (without it, TE's ``backward_dw()`` sets ``.grad`` instead of adding to it).
+    """
+    te = spec == "te"
+    split = llama(s, spec, dtype, device, block=True, delay_wgrad=te, wgrad_fusion=te)
+    plain = llama(s, spec, dtype, device, block=True, wgrad_fusion=te, like=split) if te else split
+    rope = rotary(s, device)
+
+    def forward(block, x):
+        out = block(x, attention_mask=None, rotary_pos_emb=rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    found = split_against_plain(split, plain, forward, (s.seq, s.micro_batch, s.hidden), dtype, device, te)
+    reference, queued, bitwise, worst = found.reference, found.queued, found.bitwise, found.worst
+    deferred = found.deferred
     assert deferred, "no weight gradient was deferred: the split did not engage"
     return {
         "spec": spec,
@@ -487,22 +509,23 @@ def attempt(label: dict, fn, *args) -> dict:
             torch.cuda.empty_cache()
 
 
-def llama_part(s: Llama, repeats: int, device: torch.device) -> dict:
-    """The Llama layer with the local spec and, where Transformer Engine can run, the TE spec."""
+def spec_part(title: str, s, exactness_of, costs_of, repeats: int, device: torch.device) -> dict:
+    """One layer (``s``) with the local spec and, where Transformer Engine can run, the TE spec: exactness in fp32
+    and bf16 (``exactness_of``) and costs (``costs_of``), each row kept when another fails."""
     specs, skipped = ["local"], {}
     reason = te_unavailable(device)
     if reason is None:
         specs.append("te")
     else:
         skipped["te"] = reason
-        print(f"Llama layer, TE spec: skipped: {reason}", flush=True)
+        print(f"{title}, TE spec: skipped: {reason}", flush=True)
     exact = [
-        attempt({"spec": spec, "dtype": str(dtype).removeprefix("torch.")}, llama_exactness, s, spec, dtype, device)
+        attempt({"spec": spec, "dtype": str(dtype).removeprefix("torch.")}, exactness_of, s, spec, dtype, device)
         for spec in specs
         for dtype in (torch.float32, torch.bfloat16)
     ]
     print(json.dumps(exact, indent=1), flush=True)
-    cost = [attempt({"spec": spec}, llama_costs, s, spec, repeats, device) for spec in specs]
+    cost = [attempt({"spec": spec}, costs_of, s, spec, repeats, device) for spec in specs]
     print(json.dumps(cost, indent=1), flush=True)
     return {
         "shape": s._asdict(),
@@ -511,6 +534,11 @@ def llama_part(s: Llama, repeats: int, device: torch.device) -> dict:
         "exactness": exact,
         "costs": cost,
     }
+
+
+def llama_part(s: Llama, repeats: int, device: torch.device) -> dict:
+    """The Llama layer with the local spec and, where Transformer Engine can run, the TE spec."""
+    return spec_part("Llama layer", s, llama_exactness, llama_costs, repeats, device)
 
 
 def moe(s: Moe, spec: str, dtype: torch.dtype, device: torch.device, **options):
@@ -540,47 +568,20 @@ def moe_exactness(s: Moe, spec: str, dtype: torch.dtype, device: torch.device) -
     te = spec == "te"
     split = moe(s, spec, dtype, device, delay_wgrad=te, wgrad_fusion=te)
     plain = moe(s, spec, dtype, device, wgrad_fusion=te, like=split) if te else split
-    generator = torch.Generator().manual_seed(7)
-    shape = (s.seq, s.micro_batch, s.hidden)
-    data = []
-    for _ in range(4):
-        x = torch.randn(shape, generator=generator).to(device, dtype).requires_grad_()
-        data.append((x, torch.randn(shape, generator=generator).to(device, dtype)))
 
     def forward(layer, x):
         out = layer(x, attention_mask=None)
         return out[0] if isinstance(out, tuple) else out
 
-    def input_grads() -> dict[str, torch.Tensor]:
-        found = {f"input {microbatch}": x.grad.float().clone() for microbatch, (x, _) in enumerate(data)}
-        for x, _ in data:
-            x.grad = None
-        return found
+    def grouped_experts_defer(delayed: list) -> str | None:
+        if not te or any("Grouped" in type(layer).__name__ for layer in delayed):
+            return None
+        return "the experts' grouped linears do not defer their weight gradients"
 
-    for x, grad_out in data:
-        forward(plain, x).backward(grad_out)
-    reference = grads(plain)
-    reference_inputs = input_grads()
-    clear(plain)
-    del plain
-
-    store = WeightGradStore()
-    delayed = te_wgrad.delayed_wgrad_layers(split)
-    assert delayed or not te, "no Transformer Engine layer defers its weight gradient (need_backward_dw())"
-    grouped = [layer for layer in delayed if "Grouped" in type(layer).__name__]
-    assert grouped or not te, "the experts' grouped linears do not defer their weight gradients"
-    for microbatch, (x, grad_out) in enumerate(data):
-        with store.recording():
-            out = forward(split, x)
-        with store.deferring((0, microbatch), [te_wgrad.BackwardDwJob(delayed)] if delayed else []):
-            out.backward(grad_out)
-    after_b = grads(split)
-    deferred = set(reference) - set(after_b)
-    queued = store.queued
-    for microbatch in range(len(data)):
-        store.run((0, microbatch))
-    store.check_empty()
-    bitwise, worst = compare(grads(split) | input_grads(), reference | reference_inputs)
+    shape = (s.seq, s.micro_batch, s.hidden)
+    found = split_against_plain(split, plain, forward, shape, dtype, device, te, check=grouped_experts_defer)
+    reference, after_b, deferred, delayed = found.reference, found.after_b, found.deferred, found.delayed
+    queued, bitwise, worst = found.queued, found.bitwise, found.worst
     assert deferred, "no weight gradient was deferred: the split did not engage"
     experts = [name for name in reference if ".experts." in name]
     routers = [name for name in reference if name.endswith("router.weight")]
@@ -616,28 +617,7 @@ def moe_costs(s: Moe, spec: str, repeats: int, device: torch.device) -> dict:
 
 def moe_part(s: Moe, repeats: int, device: torch.device) -> dict:
     """The MoE layer with the local spec and, where Transformer Engine can run, the TE spec (grouped experts)."""
-    specs, skipped = ["local"], {}
-    reason = te_unavailable(device)
-    if reason is None:
-        specs.append("te")
-    else:
-        skipped["te"] = reason
-        print(f"MoE layer, TE spec: skipped: {reason}", flush=True)
-    exact = [
-        attempt({"spec": spec, "dtype": str(dtype).removeprefix("torch.")}, moe_exactness, s, spec, dtype, device)
-        for spec in specs
-        for dtype in (torch.float32, torch.bfloat16)
-    ]
-    print(json.dumps(exact, indent=1), flush=True)
-    cost = [attempt({"spec": spec}, moe_costs, s, spec, repeats, device) for spec in specs]
-    print(json.dumps(cost, indent=1), flush=True)
-    return {
-        "shape": s._asdict(),
-        "transformer_engine": te_version(),
-        "skipped": skipped,
-        "exactness": exact,
-        "costs": cost,
-    }
+    return spec_part("MoE layer", s, moe_exactness, moe_costs, repeats, device)
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -786,6 +766,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cost_lines(part: dict, notes: list[str], intro: str) -> list[str]:
+    """The costs table of a layer part (a failed row becomes a note)."""
+    lines = [
+        "",
+        f"{intro} (CUDA events, median of the timed repeats; B with W deferred):",
+        "",
+        "| spec | dtype | T_F (ms) | T_B (ms) | T_W (ms) | plain B+W (ms) | T_W/T_B | T_B/T_F | split B+W / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in part["costs"]:
+        if "error" in row:
+            notes.append(f"- {row['spec']} spec costs: failed: `{row['error']}`")
+            continue
+        lines.append(
+            f"| {row['spec']} | {row['dtype']} | {row['t_f_ms']:.3f} | {row['t_b_ms']:.3f} | {row['t_w_ms']:.3f} | "
+            f"{row['t_bw_plain_ms']:.3f} | {row['w_over_b']:.2f} | {row['b_over_f']:.2f} | "
+            f"{row['split_over_plain']:.3f} |"
+        )
+    return lines
+
+
 def llama_markdown(result: dict) -> str:
     part = result["llama"]
     s = Llama(**part["shape"])
@@ -817,22 +818,7 @@ def llama_markdown(result: dict) -> str:
             f"| {row['spec']} | {row['dtype']} | {row['parameters']} | {row['deferred_until_w']} | {row['w_jobs']} | "
             f"{'yes' if row['bitwise_equal'] else 'no'} | {row['worst_relative']:.2e} |"
         )
-    lines += [
-        "",
-        "Costs of one such layer (CUDA events, median of the timed repeats; B with W deferred):",
-        "",
-        "| spec | dtype | T_F (ms) | T_B (ms) | T_W (ms) | plain B+W (ms) | T_W/T_B | T_B/T_F | split B+W / plain |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in part["costs"]:
-        if "error" in row:
-            notes.append(f"- {row['spec']} spec costs: failed: `{row['error']}`")
-            continue
-        lines.append(
-            f"| {row['spec']} | {row['dtype']} | {row['t_f_ms']:.3f} | {row['t_b_ms']:.3f} | {row['t_w_ms']:.3f} | "
-            f"{row['t_bw_plain_ms']:.3f} | {row['w_over_b']:.2f} | {row['b_over_f']:.2f} | "
-            f"{row['split_over_plain']:.3f} |"
-        )
+    lines += cost_lines(part, notes, "Costs of one such layer")
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -875,22 +861,7 @@ def moe_markdown(result: dict) -> str:
             f"{row['expert_weights']} | {'yes' if row['router_final_after_b'] else 'no'} | {row['w_jobs']} | "
             f"{'yes' if row['bitwise_equal'] else 'no'} | {row['worst_relative']:.2e} |"
         )
-    lines += [
-        "",
-        "Costs of the layer (CUDA events, median of the timed repeats; B with W deferred):",
-        "",
-        "| spec | dtype | T_F (ms) | T_B (ms) | T_W (ms) | plain B+W (ms) | T_W/T_B | T_B/T_F | split B+W / plain |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in part["costs"]:
-        if "error" in row:
-            notes.append(f"- {row['spec']} spec costs: failed: `{row['error']}`")
-            continue
-        lines.append(
-            f"| {row['spec']} | {row['dtype']} | {row['t_f_ms']:.3f} | {row['t_b_ms']:.3f} | {row['t_w_ms']:.3f} | "
-            f"{row['t_bw_plain_ms']:.3f} | {row['w_over_b']:.2f} | {row['b_over_f']:.2f} | "
-            f"{row['split_over_plain']:.3f} |"
-        )
+    lines += cost_lines(part, notes, "Costs of the layer")
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
