@@ -18,7 +18,8 @@ code path that matches what it has. What changed, and who copes with it:
   (``optimizer_checks_grad_norm_groups``); ``get_forward_backward_func(schedule_pg_collection=)``
   (``accepts``); MoE, MTP and attention-variant losses are scaled through
   config hooks (``runtime/steps.py``, ``attention_variant_loss_scale_func``); DDP's
-  ``start_grad_sync`` calls ``torch.cuda.current_stream()`` (shimmed in ``megatron_zb.cpu``).
+  ``start_grad_sync`` calls ``torch.cuda.current_stream()`` (shimmed in ``megatron_zb.cpu``); the MoE loss
+  tracker became a ``MoEMetricsTracker`` object (``clear_moe_metrics``, from 0.17).
 
 Nothing here imports torch or megatron-core at import time.
 """
@@ -213,3 +214,22 @@ def is_multi_module_pg_collection(collection) -> bool:
     except ImportError:
         return False
     return isinstance(collection, MultiModuleProcessGroupCollection)
+
+
+def clear_moe_metrics(fresh: bool = False) -> None:
+    """megatron-core's MoE layers add each forward's aux and z losses into a process-wide tracker, which Megatron-LM's
+    ``track_moe_metrics`` empties after each step: here too. ``fresh`` drops it (its per-layer tensors are sized by
+    the first model that wrote them: a process that trains again, e.g. a pooled test worker, may build another).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    metrics_tracker = getattr(moe_utils, "get_moe_metrics_tracker", None)  # 0.17 on: a MoEMetricsTracker object
+    if metrics_tracker is not None:
+        tracker = metrics_tracker()
+        tracker.metrics.clear() if fresh else tracker.clear()
+    else:  # 0.16: a dict of {"values": tensor, ...} per loss
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        if fresh:
+            tracker.clear()
+        else:
+            moe_utils.clear_aux_losses_tracker()

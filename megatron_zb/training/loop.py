@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..compat import clear_moe_metrics
 from .build import Trainee
 from .collectives import CollectiveRecorder
 from .data import Batches, sources
@@ -34,7 +35,8 @@ def train(args: argparse.Namespace, trainee: Trainee) -> list[dict]:
     from .checkpoint import load_checkpoint, save_checkpoint
 
     start = _resume(args, trainee, load_checkpoint)
-    _clear_moe_metrics(fresh=True)
+    if getattr(args, "num_experts", None):
+        clear_moe_metrics(fresh=True)
     batches = sources(args, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
     data = batches.train
     profiler = PassProfiler(trainee.device)
@@ -133,7 +135,8 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: Batches, itera
     fb_end = time.perf_counter()
     with recorder.span("optimizer step") if recorder is not None else contextlib.nullcontext():
         succeeded, grad_norm, _ = trainee.optimizer.step()
-    _clear_moe_metrics()
+    if getattr(args, "num_experts", None):
+        clear_moe_metrics()  # megatron-core's MoE loss tracker, emptied after each step as Megatron-LM does
     if succeeded:
         trainee.scheduler.step(increment=args.global_batch_size)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -149,25 +152,6 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: Batches, itera
         "skipped": not succeeded,
         "loss_scale": float(trainee.optimizer.get_loss_scale()),
     }
-
-
-def _clear_moe_metrics(fresh: bool = False) -> None:
-    """megatron-core's MoE layers add each forward's aux and z losses into a process-wide tracker, which Megatron-LM's
-    ``track_moe_metrics`` empties after each step: here too. ``fresh`` drops it (its per-layer tensors are sized by
-    the first model that wrote them: a process that trains again, e.g. a pooled test worker, may build another).
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    metrics_tracker = getattr(moe_utils, "get_moe_metrics_tracker", None)  # 0.17 on: a MoEMetricsTracker object
-    if metrics_tracker is not None:
-        tracker = metrics_tracker()
-        tracker.metrics.clear() if fresh else tracker.clear()
-    else:  # 0.16: a dict of {"values": tensor, ...} per loss
-        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-        if fresh:
-            tracker.clear()
-        else:
-            moe_utils.clear_aux_losses_tracker()
 
 
 def _run_schedule(
