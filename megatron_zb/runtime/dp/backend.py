@@ -3,7 +3,7 @@
 Two implementations of the contract in ``base.py``: ``MegatronDDPBackend`` (megatron-core's
 DistributedDataParallel and its distributed optimizer, ZeRO-1/2: what ran before these actions
 existed) and ``FSDP2Backend`` (ZeRO-3 with PyTorch FSDP2, chunks wrapped by ``wrap_zero3``).
-``backend_for`` picks one. The contract's names are re-exported here for older imports.
+``backend_for`` picks one.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import DataParallelBackend, DataParallelPlanError, Handle, Ready
+from .base import DataParallelBackend
 from .fsdp2 import FSDP2Backend, is_fsdp2_sharded
 from .megatron_ddp import MegatronDDPBackend
-
-__all__ = ["DataParallelBackend", "DataParallelPlanError", "Handle", "Ready", "backend_for"]
 
 
 def backend_for(config, models: Sequence[torch.nn.Module], forward_only: bool = False) -> DataParallelBackend:
