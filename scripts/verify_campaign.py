@@ -48,6 +48,7 @@ class Line:
     argv: list[str]
     environment: dict[str, str]
     mode: str = "pretraining"  # the config's MODE: inference and rl lines run other scripts than pretrain_gpt.py
+    mode_given: bool = True  # False: the config gives no MODE (nor MODEL_ARGS); its name says inference
 
 
 def lines(configs: Path) -> list[Line]:
@@ -71,8 +72,18 @@ def lines(configs: Path) -> list[Line]:
             values = value if isinstance(value, list) else _words(value)
             argv += [PLACEHOLDER.sub(lambda match: _filled(match.group(1), scratch), str(item)) for item in values]
         environment = {key: str(value) for key, value in (data.get("ENV_VARS") or {}).items()}
-        found.append(Line(name, argv, environment, str(data.get("MODE") or "pretraining")))
+        found.append(Line(name, argv, environment, *_mode(name, data)))
     return found
+
+
+def _mode(name: str, data: dict) -> tuple[str, bool]:
+    """(the line's mode, whether its config says it): MODE, else inference for a config that gives no MODEL_ARGS
+    and is named as one (``gpt_dynamic_inference_...``), else pretraining."""
+    if data.get("MODE"):
+        return str(data["MODE"]), True
+    if not data.get("MODEL_ARGS") and "inference" in name.split("_"):
+        return "inference", False
+    return "pretraining", True
 
 
 def _words(value: object) -> list[object]:
@@ -101,6 +112,11 @@ def run(line: Line, checkout: str | None, flag: list[str], timeout_s: float) -> 
     """One verify of ``line`` with ``flag`` added: its outcome, the sentence that says why, and its time."""
     if line.mode != "pretraining":
         why = f"MODE: {line.mode}: Megatron-LM runs this line with its {line.mode} script, not pretrain_gpt.py"
+        if not line.mode_given:
+            why = (
+                f"no MODE and no MODEL_ARGS: an {line.mode} test by its name (its flags are not in the config); "
+                "nothing for pretrain_gpt.py to run"
+            )
         return {"outcome": "not pretraining", "why": why, "seconds": 0.0}
     command = [sys.executable, "-m", "megatron_zb", "verify"]
     command += ["--megatron-lm", checkout] if checkout else []

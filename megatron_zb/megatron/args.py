@@ -27,7 +27,7 @@ from ..schedule.placement import Placement
 from ..schedule.registry import get, with_option
 from ..schedule.schedule_file import FILE_PREFIX, build_schedule, load_schedule, refuse_other_setting
 from .layer_split import layers_per_block
-from .megatron_mapping import MEGATRON_LAYOUT_FLAGS, foreign_placement
+from .megatron_mapping import ENDS, MEGATRON_LAYOUT_FLAGS, foreign_placement
 
 # Schedule-core option names, as a Megatron user knows them.
 _FLAG_NAMES = {"--chunks": "--virtual-pipeline-model-parallel-size", "--memory-limit": "--zero-bubble-memory-limit"}
@@ -150,8 +150,9 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         schedule = build_schedule(name, spec)
     except ScheduleError as error:
         raise ValueError(f"--pipeline-schedule {name}: {_megatron_flags(str(error))}") from None
-    if not layout or foreign_placement(schedule.placement) is not None:  # else Megatron-LM's validate_args checks
-        check_layers(args.num_layers, schedule, pad)
+    fixed = getattr(args, "zero_bubble_block_layers", None) is not None  # by megatron_mapping.prepare_args
+    if not fixed and (not layout or foreign_placement(schedule.placement) is not None):  # else validate_args checks
+        check_layers(args.num_layers, schedule, pad, *(getattr(args, field, None) for field in ENDS))
     if schedule.shared and post_validation:
         raise ValueError(
             f"--pipeline-schedule {name} keeps two copies of each block, whose gradients are summed inside the "
@@ -346,12 +347,19 @@ def _microbatches(args: argparse.Namespace) -> int:
     return global_batch // per_step
 
 
+CONTEXT_PARALLEL_REFUSED = (
+    "megatron-zb schedules do not support --context-parallel-size > 1 yet ({size} given), on GPUs either: their "
+    "runtime scales the loss by the context-parallel size as megatron-core's forward_step does, but "
+    "no context-parallel run through it has been checked (that needs Transformer Engine's attention, on GPUs; "
+    "megatron-core's local layer spec, the one a CPU runs, cannot build it). Run the line with megatron-core's own "
+    "schedule (drop the zero-bubble flags), or with tensor or data parallelism in place of context parallelism"
+)
+
+
 def _refuse_unsupported_models(args: argparse.Namespace) -> None:
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        raise ValueError(
-            "megatron-zb schedules do not support --context-parallel-size > 1 yet; use tensor or data parallelism, "
-            "or megatron-core's own schedule (drop the zero-bubble flags)"
-        )
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise ValueError(CONTEXT_PARALLEL_REFUSED.format(size=cp))
     if getattr(args, "mtp_num_layers", None):
         raise ValueError("megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet")
     if is_encoder_and_decoder(args):
@@ -383,10 +391,13 @@ def _megatron_layout_flags(args: argparse.Namespace) -> list[str]:
     return [flag for flag, field in MEGATRON_LAYOUT_FLAGS if getattr(args, field, None)]
 
 
-def check_layers(num_layers: int, schedule: Schedule, pad: bool) -> None:
-    """Every block of the schedule's placement gets its layers (two fewer in all with padding)."""
+def check_layers(
+    num_layers: int, schedule: Schedule, pad: bool, first: int | None = None, last: int | None = None
+) -> None:
+    """Every block of the schedule's placement gets its layers (two fewer in all with padding; the first and the
+    last block ``first`` and ``last`` when given)."""
     try:
-        layers_per_block(num_layers, schedule.placement, pad)
+        layers_per_block(num_layers, schedule.placement, pad, first, last)
     except ValueError as error:
         raise ValueError(f"{schedule.name}: {error}") from None
 

@@ -17,8 +17,8 @@ from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp3
 
 from .. import patching
 from ..schedule.placement import Placement
-from .layout import PlacementLayerLayout, layer_layout
-from .megatron_mapping import uses_megatron_mapping
+from .layout import PlacementLayerLayout
+from .megatron_mapping import block_layers, uses_megatron_mapping
 
 
 def embedding_chunk(placement: Placement, rank: int) -> int | None:
@@ -219,7 +219,9 @@ def use_placement_layout(config, placement: Placement) -> None:
             f"the {placement.kind} placement splits layers with its own layout; unset {', '.join(conflicts)} "
             "(use layer_layout(..., pad=True) for lighter embedding and loss blocks)"
         )
-    layout = layer_layout(config.num_layers, placement)
+    from .parsed_args import megatron_lm_args
+
+    layout = PlacementLayerLayout(placement, block_layers(megatron_lm_args(), config.num_layers, placement))
     layout.validate_layer_layout(config.num_layers, getattr(config, "mtp_num_layers", None))
     config.pipeline_model_parallel_layout = layout
 

@@ -43,23 +43,76 @@ def prepare_args(args: argparse.Namespace, placement: Placement, schedule: str) 
     """
     if foreign_placement(placement) is None:
         return
-    given = [flag for flag, field in MEGATRON_LAYOUT_FLAGS if getattr(args, field, None)]
+    given = [flag for flag, field in MEGATRON_LAYOUT_FLAGS if field not in ENDS and getattr(args, field, None)]
     if given:
         raise ValueError(
             f"{schedule} places its layer blocks itself ({placement.kind} placement: {_blocks_text(placement)}); "
             f"{', '.join(given)} {'lays' if len(given) == 1 else 'lay'} layers out by megatron's looping placement "
             f"(block = virtual stage x pipeline size + rank): drop {'it' if len(given) == 1 else 'them'}"
         )
-    layers = layers_per_block(args.num_layers, placement, bool(getattr(args, "allow_padding_num_layers", False)))
-    if len(set(layers)) > 1:
-        even = 2 * placement.num_stages
-        raise ValueError(
-            f"--allow-padding-num-layers: Megatron-LM builds its TransformerConfig with --num-layers split evenly "
-            f"over the {placement.num_stages} layer blocks before megatron-zb places them, so {schedule} on "
-            f"Megatron-LM needs --num-layers divisible by {placement.num_stages} (e.g. {even}); uneven blocks "
-            f"{layers} run with `megatron-zb train`"
-        )
+    first, last = (getattr(args, field, None) for field in ENDS)
+    pad = bool(getattr(args, "allow_padding_num_layers", False))
+    layers = layers_per_block(args.num_layers, placement, pad, first, last)
+    if len(set(layers)) > 1 and first is None and last is None:
+        raise ValueError(_uneven_foreign(placement, schedule, layers))
+    if first is not None or last is not None:
+        # the placement's layout builds these counts; megatron-core's config would split by its own placement
+        args.zero_bubble_block_layers = tuple(layers)
+        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
     args.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
+
+
+# Megatron-LM's fields of the first and the last pipeline stage's layer counts: on a placement megatron does not
+# build itself they are the first and the last layer block's (``prepare_args``)
+ENDS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+
+
+def block_layers(args: argparse.Namespace | None, num_layers: int, placement: Placement) -> list[int]:
+    """Decoder layers of each block of a placement megatron does not build: those ``prepare_args`` fixed from the
+    first and last counts, else an even split."""
+    fixed = getattr(args, "zero_bubble_block_layers", None) if args is not None else None
+    if fixed is not None and len(fixed) == placement.num_stages and sum(fixed) == num_layers:
+        return list(fixed)
+    return layers_per_block(num_layers, placement)
+
+
+def pad_by_megatron_split(args: argparse.Namespace, placement: Placement, schedule: str) -> bool:
+    """``--allow-padding-num-layers`` as Megatron-LM's own uneven split, set before its ``validate_args`` runs.
+
+    The padded split (the embedding's and the loss's blocks one layer fewer) is the one Megatron-LM builds with
+    ``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`` on its looping placement,
+    whose validate_args would otherwise refuse a --num-layers that the blocks do not divide. Returns whether it set
+    them; ValueError for a placement Megatron-LM does not build (V), which cannot take uneven blocks from it.
+    """
+    if not getattr(args, "allow_padding_num_layers", False):
+        return False
+    if any(getattr(args, field, None) for _, field in MEGATRON_LAYOUT_FLAGS):
+        return False  # the line lays its layers out with Megatron-LM's own flags
+    layers = layers_per_block(args.num_layers, placement, True)
+    if len(set(layers)) == 1:
+        return False
+    if foreign_placement(placement) is not None:
+        raise ValueError(_uneven_foreign(placement, schedule, layers))
+    args.account_for_embedding_in_pipeline_split = True
+    args.account_for_loss_in_pipeline_split = True
+    return True
+
+
+PADDED_NOTE = (
+    "--allow-padding-num-layers: the blocks holding the embedding and the loss get one layer fewer, built by "
+    "Megatron-LM's own --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"
+)
+
+
+def _uneven_foreign(placement: Placement, schedule: str, layers: list[int]) -> str:
+    even = 2 * placement.num_stages
+    return (
+        f"--allow-padding-num-layers: Megatron-LM builds its TransformerConfig with --num-layers split evenly "
+        f"over the {placement.num_stages} layer blocks before megatron-zb places them ({placement.kind} placement), "
+        f"so {schedule} on Megatron-LM needs --num-layers divisible by {placement.num_stages} (e.g. {even}); uneven "
+        f"blocks {layers} run with `megatron-zb train`, and on Megatron-LM with a schedule on its looping placement "
+        "(e.g. --enable-zero-bubble)"
+    )
 
 
 def _blocks_text(placement: Placement) -> str:

@@ -86,6 +86,11 @@ GPU_ONLY = {
     "experimental_attention_variant": (lambda v: v is not None, "megatron-core's experimental attention variants "
                                        "(gated delta net, ...) build with Transformer Engine only",
                                        "run it on a GPU"),
+    "context_parallel_size": (lambda v: (v or 1) > 1, "megatron-core's local layer spec, the one a CPU runs, has no "
+                              "context-parallel attention (Transformer Engine's, on GPUs)",
+                              "tensor or data parallelism in its place"),
+    "use_megatron_fsdp": (bool, "Megatron-FSDP keeps its buffers on CUDA devices and communicates on CUDA streams",
+                          "--use-distributed-optimizer in its place"),
 }  # fmt: skip
 
 
@@ -150,7 +155,7 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
         raise ValueError("Megatron-LM's megatron.training cannot be imported")
     flags, stray = given_flags(parser, argv)
     where = f"Megatron-LM {megatron_lm_version()}'s pretrain_gpt"
-    problem = refuse_unknown(flags, stray, where)
+    problem = modelopt_flags(flags) or refuse_unknown(flags, stray, where)
     if problem:
         raise ValueError(problem)
     args = parse_line(parser, argv)
@@ -211,6 +216,32 @@ def _gpu_only(dest: str, flags: Sequence[Given]) -> str | None:
     return f"{given[0]} cannot run on CPU: {why}; {instead}"
 
 
+def modelopt_flags(flags: Sequence[Given]) -> str | None:
+    """The refusal of a line that gives ModelOpt's flags (distillation, quantization, ...), which Megatron-LM's
+    pretrain_gpt.py adds to its parser only where the nvidia-modelopt package imports; None when it gives none.
+
+    The flags are read from the checkout's ``megatron/post_training/arguments.py`` (not in every megatron-core).
+    """
+    try:
+        from megatron.post_training.arguments import add_modelopt_args
+    except ImportError:
+        return None
+    modelopt = argparse.ArgumentParser(add_help=False)
+    add_modelopt_args(modelopt)
+    known = {option for action in modelopt._actions for option in action.option_strings}
+    found = [given.flag for given in flags if given.action is None and given.flag in known]
+    if not found:
+        return None
+    distills = any(flag.startswith("--export-kd-") for flag in found)
+    what = "ModelOpt's knowledge distillation (a student trained against a teacher checkpoint with ModelOpt's loss)"
+    return (
+        f"{', '.join(found)}: {what if distills else 'NVIDIA ModelOpt features'}, not plain pretraining: "
+        "Megatron-LM's pretrain_gpt.py takes these flags only where the nvidia-modelopt package is installed, and "
+        "megatron-zb reads a line without ModelOpt's (its schedules are checked on plain pretraining); run the line "
+        "without them"
+    )
+
+
 def parse_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     """Megatron-LM's parse of the line; a bad value is a ValueError naming it (not argparse's usage dump)."""
 
@@ -227,10 +258,11 @@ def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: in
     from megatron.training.arguments import validate_args
 
     from . import cpu
-    from .validation import check_zero_bubble
+    from .validation import check_zero_bubble, pad_layers
 
     args = parse_line(parser, argv)
     args.rank, args.world_size = 0, processes
+    pad_layers(args)
     cpu.no_gpu_architecture()
     cpu.set_environment()
     with contextlib.redirect_stdout(io.StringIO()):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import sys
 
 from .. import patching
 from ..megatron.args import schedule_settings, zero_bubble_notes
-from ..megatron.megatron_mapping import prepare_args
+from ..megatron.megatron_mapping import PADDED_NOTE, pad_by_megatron_split, prepare_args
 from ..training.checks import writable_file
 
 
@@ -39,6 +40,12 @@ def _checked(validate_args):
     """Megatron-LM's validate_args, then ours: runs before torch.distributed is initialised."""
 
     def validate(args, *rest, **kwargs):
+        try:
+            padded = pad_layers(args)
+        except ValueError as error:
+            raise SystemExit(f"megatron-zb: {error}") from None
+        if padded and getattr(args, "rank", 0) == 0:
+            print(f"megatron-zb: note: {PADDED_NOTE}", file=sys.stderr, flush=True)
         found = validate_args(args, *rest, **kwargs)
         checked = found if found is not None else args
         try:
@@ -52,6 +59,20 @@ def _checked(validate_args):
 
     validate.megatron_zb_checked = True
     return validate
+
+
+def pad_layers(args: argparse.Namespace) -> bool:
+    """Before Megatron-LM's ``validate_args``: ``--allow-padding-num-layers`` as its own uneven split where the
+    schedule's placement is Megatron-LM's (``megatron_mapping.pad_by_megatron_split``); whether it was set.
+
+    A line megatron-zb's checks refuse is refused here, before Megatron-LM's count check can hide why.
+    """
+    if not getattr(args, "allow_padding_num_layers", False):
+        return False
+    settings = schedule_settings(copy.copy(args))
+    if settings is None:
+        return False
+    return pad_by_megatron_split(args, settings.placement, settings.schedule)
 
 
 def check_zero_bubble(args: argparse.Namespace) -> None:

@@ -77,19 +77,24 @@ def _scaled_line(parser, user: list[str], limits, own_providers: bool):
     from ..megatron_lm.script import refused_features
 
     flags, stray = given_flags(parser, user)
-    problem = refuse_unknown(flags, stray, f"Megatron-LM {megatron_lm_version()}'s pretrain_gpt")
+    problem = preflight.modelopt_flags(flags) or refuse_unknown(
+        flags, stray, f"Megatron-LM {megatron_lm_version()}'s pretrain_gpt"
+    )
     if problem:
         raise ValueError(problem)
     args = preflight.parse_line(parser, user)
     for note in zero_bubble_notes(args):
         print(f"{PROG}: note: {note}", file=sys.stderr)
+    try:
+        scale.refuse(args)  # what a CPU cannot run comes first: no checkout runs it here either
+    except ValueError as error:
+        raise ValueError(LINE_REFUSED.format(error=error)) from None
     if own_providers and refused_features(args):
         raise ValueError(
             f"{', '.join(refused_features(args))}: megatron-zb's GPT providers (used without a Megatron-LM checkout) "
             "do not implement this; give your checkout with --megatron-lm PATH"
         )
     try:
-        scale.refuse(args)
         processes = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
         preflight.validate(parser, scale.on_cpu(parser, flags, args), processes)
     except ValueError as error:

@@ -99,7 +99,18 @@ REFUSED = {
     "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm: megatron-core's expert-parallel "
     "all-to-all overlap runs on CUDA streams and needs Transformer Engine, which a CPU cannot run (a megatron-zb "
     "schedule replaces that schedule); verify the line without it",
+    "use_megatron_fsdp": "--use-megatron-fsdp: Megatron-FSDP keeps its parameter and gradient buffers on CUDA "
+    "devices and gathers and reduce-scatters them on CUDA streams, which a CPU cannot run; verify the line with "
+    "--use-distributed-optimizer in its place, or on GPUs",
 }
+# A line with context parallelism: why verify cannot check it here, and what runs on GPUs
+CONTEXT_PARALLEL = (
+    "--context-parallel-size {size}: megatron-core's local layer spec, the one a CPU runs, has no context-parallel "
+    "attention (its DotProductAttention asserts a context-parallel size of 1; context-parallel attention is "
+    "Transformer Engine's, on GPUs), so verify cannot run it here. On GPUs megatron-zb's schedules are not run with "
+    "context parallelism yet either; megatron-core's own schedule runs it (drop the zero-bubble flags). Verify the "
+    "line with tensor or data parallelism in its place"
+)
 # dest -> (the value verify cannot check, why)
 REFUSED_VALUES = {
     "moe_token_dispatcher_type": (
@@ -188,6 +199,8 @@ def refuse(args: argparse.Namespace) -> None:
     for dest, (value, why) in REFUSED_VALUES.items():
         if getattr(args, dest, None) == value:
             raise Refused(why)
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise Refused(CONTEXT_PARALLEL.format(size=args.context_parallel_size))
 
 
 def _ours(name: str, **fill: object) -> str:
@@ -201,18 +214,21 @@ def _set_ours(scaler: Scaler, name: str, values: Sequence[str] | None, **fill: o
 
 def _parallel(scaler: Scaler, limits: Limits):
     """Tensor and pipeline sizes this machine runs: tensor 2 at most, pipeline 2 to what fits in 4 processes."""
-    args = scaler.args
+    args, dp = scaler.args, limits.data_parallel
     tp = min(args.tensor_model_parallel_size, 2)
-    most_pp = max(2, MAX_PROCESSES // (tp * limits.data_parallel))
-    pp = min(max(args.pipeline_model_parallel_size, 2), most_pp)
-    why = f"this machine runs {tp * pp * limits.data_parallel} gloo processes (at most {MAX_PROCESSES})"
+    fewest = _fewest_stages(scaler)
+    why_tp = None
+    if fewest > 2 and MAX_PROCESSES // (tp * dp) < fewest and MAX_PROCESSES // dp >= fewest:
+        tp, why_tp = 1, f"{INTERLEAVED_WITHOUT_OVERLAP}: tensor parallelism 1 leaves room for them"
+    most_pp = max(2, MAX_PROCESSES // (tp * dp))
+    pp = min(max(args.pipeline_model_parallel_size, fewest), most_pp)
+    why = f"this machine runs {tp * pp * dp} gloo processes (at most {MAX_PROCESSES})"
     if tp != args.tensor_model_parallel_size:
-        scaler.set("--tensor-model-parallel-size", [str(tp)], why)
+        scaler.set("--tensor-model-parallel-size", [str(tp)], why_tp or why)
     if pp != args.pipeline_model_parallel_size:
         reason = why if args.pipeline_model_parallel_size > 1 else "a pipeline schedule needs two stages to compare"
+        reason = INTERLEAVED_WITHOUT_OVERLAP if pp > args.pipeline_model_parallel_size > 1 else reason
         scaler.set("--pipeline-model-parallel-size", [str(pp)], reason)
-    if getattr(args, "context_parallel_size", 1) > 1:
-        scaler.set("--context-parallel-size", ["1"], "context parallelism splits the sequence, not the pipeline")
     if getattr(args, "expert_model_parallel_size", 1) > 1 and not getattr(args, "num_experts", None):
         scaler.set("--expert-model-parallel-size", ["1"], "no experts in a dense model")
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
@@ -228,6 +244,17 @@ def _parallel(scaler: Scaler, limits: Limits):
         return settings.placement.num_stages
 
     return tp, pp, chunks_of
+
+
+INTERLEAVED_WITHOUT_OVERLAP = (
+    "megatron-core's interleaved schedule without P2P overlap (which the CPU run turns off) needs more than two "
+    "pipeline stages (Megatron-LM's validate_args)"
+)
+
+
+def _fewest_stages(scaler: Scaler) -> int:
+    """Pipeline stages the scaled copy needs: three where megatron-core interleaves without P2P overlap, else two."""
+    return 3 if _virtual_chunks(scaler.args) > 1 and scaler.knows("--no-overlap-p2p-communication") else 2
 
 
 def _probe(args: argparse.Namespace, pp: int, tp: int, limits: Limits) -> argparse.Namespace:

@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -405,3 +406,135 @@ def test_the_example_lines_scale_as_pinned(name: str, zero_bubble: str) -> None:
         PINNED.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
     assert key in pinned, f"no pinned outcome for {key}: run with MZB_PIN_SCALED_LINES=1 and review the diff"
     assert found == pinned[key]
+
+
+FUNCTIONAL_CONFIGS = Path(__file__).parents[2].parent / "shared" / "megatron-lm" / "functional-configs" / "core_v0.19.0"
+
+
+def functional_line(folder: str, name: str) -> list[str]:
+    """A line of Megatron-LM's functional tests as the campaign reads it (scripts/verify_campaign.py)."""
+    from megatron_zb.testing.scripts import load_script
+
+    if not (FUNCTIONAL_CONFIGS / folder / name).is_dir():
+        pytest.skip(f"no {FUNCTIONAL_CONFIGS / folder / name}")
+    campaign = load_script("verify_campaign")
+    return next(line for line in campaign.lines(FUNCTIONAL_CONFIGS / folder) if line.name == name).argv
+
+
+def test_an_interleaved_line_keeps_more_than_two_stages_without_p2p_overlap(tmp_path: Path) -> None:
+    """mixtral_8x7b_tp1pp4ep8vpp8_release: tp 2, pp 4, one layer per virtual stage. At tp 2 four processes hold
+    pp 2, where megatron-core's interleaved schedule without P2P overlap (off on CPU) is refused by validate_args:
+    the scaled copy gives up tensor parallelism to keep pp 4, and both runs pass validate_args."""
+    from megatron_zb.megatron_lm.preflight import validate
+
+    argv = [*functional_line("mixtral", "mixtral_8x7b_tp1pp4ep8vpp8_release"), "--enable-zero-bubble"]
+    assert values(argv, "--tensor-model-parallel-size") == ["2"]
+    line = scaled(argv, tmp_path)
+    assert values(line.argv, "--tensor-model-parallel-size") == ["1"]
+    assert "--pipeline-model-parallel-size 4" in line.kept and "--no-overlap-p2p-communication" in line.argv
+    why = next(change.why for change in line.changes if change.flag == "--tensor-model-parallel-size")
+    assert why.startswith("megatron-core's interleaved schedule without P2P overlap")
+    assert values(line.argv, "--expert-model-parallel-size") == ["1"]  # tp 1 x dp 1 leaves no expert parallelism
+    assert line.processes == 4 and line.schedule == "zb-1p"
+    for run in (line.argv, line.reference_argv):
+        validated = validate(PARSER, run, line.processes)
+        assert validated.pipeline_model_parallel_size == 4 and validated.virtual_pipeline_model_parallel_size == 8
+
+
+def test_an_interleaved_line_on_two_stages_gets_three(tmp_path: Path) -> None:
+    """pp 2 with a virtual pipeline: Megatron-LM takes it with its default P2P overlap, the scaled copy (overlap off)
+    needs a third stage."""
+    from megatron_zb.megatron_lm.preflight import validate
+
+    argv = [*example("llama3_8b_core_v0.19.0"), "--pipeline-model-parallel-size", "2"]
+    line = scaled([*argv, "--num-virtual-stages-per-pipeline-rank", "2", "--enable-zero-bubble"], tmp_path)
+    assert values(line.argv, "--pipeline-model-parallel-size") == ["3"] and line.processes == 3
+    for run in (line.argv, line.reference_argv):
+        assert validate(PARSER, run, line.processes).virtual_pipeline_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--context-parallel-size 2", ["--context-parallel-size 2: megatron-core's local layer spec, the one a CPU runs, "
+                                   "has no context-parallel attention", "On GPUs megatron-zb's schedules are not run "
+                                   "with context parallelism yet", "megatron-core's own schedule runs it"]),
+    ("--use-megatron-fsdp", ["--use-megatron-fsdp: Megatron-FSDP keeps its parameter and gradient buffers on CUDA",
+                             "--use-distributed-optimizer in its place"]),
+])  # fmt: skip
+def test_what_needs_gpus_is_refused_by_its_reason_before_any_process(extra: str, words: list[str]) -> None:
+    argv = [*example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", *extra.split()]
+    code, out, err = run_main(["--", *argv])
+    assert code == 2 and "gloo processes" not in out
+    assert "your line, before any scaling: " in err and "validate_args refuses it" not in err
+    for word in words:
+        assert word in " ".join(err.split()), err
+
+
+def test_context_parallelism_is_refused_by_the_schedule_checks_on_gpus_too() -> None:
+    """Not a CPU limit there: no context-parallel run through megatron-zb's runtime has been checked."""
+    from megatron_zb.megatron.args import schedule_settings
+
+    args = PARSER.parse_args([*example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble"])
+    args.context_parallel_size, args.data_parallel_size = 2, 1
+    words = r"--context-parallel-size > 1 yet \(2 given\), on GPUs either: .* no context-parallel run through it"
+    with pytest.raises(ValueError, match=words):
+        schedule_settings(args)
+
+
+PADDED = (
+    "--num-layers 14 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 1 --global-batch-size 16 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 128 --pipeline-model-parallel-size 8 --eval-iters 0 --eval-interval 10 --train-iters 3 "
+    "--transformer-impl local --no-gradient-accumulation-fusion"
+).split()
+
+
+def test_padded_layers_at_full_size_are_megatron_lms_own_uneven_split() -> None:
+    """The reference implementation's 14 layers on pp 8 with --allow-padding-num-layers: Megatron-LM's validate_args
+    refuses 14 layers on 8 stages, and takes them with its --account-for-embedding/loss-in-pipeline-split (the
+    embedding's and the loss's stages one layer, the others two: the padded split), which megatron-zb sets first."""
+    from megatron_zb.megatron_lm.preflight import validate
+
+    with pytest.raises(ValueError, match="Number of layers should be divisible by the pipeline-model-parallel size"):
+        validate(PARSER, [*PADDED, "--enable-zero-bubble"], 8)
+    validated = validate(PARSER, [*PADDED, "--allow-padding-num-layers", "--enable-zero-bubble"], 8)
+    assert validated.account_for_embedding_in_pipeline_split and validated.account_for_loss_in_pipeline_split
+    plain = validate(PARSER, [*PADDED, "--allow-padding-num-layers", "--num-layers", "16", "--enable-zero-bubble"], 8)
+    assert not plain.account_for_embedding_in_pipeline_split  # an even split needs no padding
+
+
+@pytest.mark.parametrize("layers, words", [
+    ("14", "zb-v: --num-layers 14 does not split evenly into 16 layer blocks"),  # 16 blocks cannot hold 14 + 2
+    ("30", "--allow-padding-num-layers: Megatron-LM builds its TransformerConfig with --num-layers split evenly"),
+])  # fmt: skip
+def test_padded_layers_on_a_v_are_refused_by_megatron_zb_first(layers: str, words: str) -> None:
+    from megatron_zb.megatron_lm.preflight import validate
+
+    argv = [*PADDED, "--num-layers", layers, "--allow-padding-num-layers", "--zero-bubble-v-schedule"]
+    with pytest.raises(ValueError, match=words):
+        validate(PARSER, argv, 8)
+
+
+def test_modelopt_distillation_is_named() -> None:
+    """gpt3_mcore_te_tp2_pp1_modelopt_distill_resume: ModelOpt's flags, which pretrain_gpt.py adds only where the
+    nvidia-modelopt package is installed."""
+    from megatron_zb.flags.megatron_lm_parser import given_flags
+    from megatron_zb.megatron_lm.preflight import modelopt_flags
+
+    pytest.importorskip("megatron.post_training.arguments", reason="a checkout's megatron.post_training")
+    argv = [*example("llama3_8b_core_v0.19.0"), "--export-kd-teacher-load", "/teacher", "--export-te-mcore-model"]
+    flags, _ = given_flags(PARSER, argv)
+    found = modelopt_flags(flags)
+    assert found.startswith("--export-kd-teacher-load, --export-te-mcore-model: ModelOpt's knowledge distillation")
+    assert modelopt_flags(given_flags(PARSER, example("llama3_8b_core_v0.19.0"))[0]) is None
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--context-parallel-size 2", "--context-parallel-size 2 cannot run on CPU: megatron-core's local layer spec"),
+    ("--use-megatron-fsdp", "--use-megatron-fsdp cannot run on CPU: Megatron-FSDP keeps its buffers on CUDA devices"),
+])  # fmt: skip
+def test_train_on_cpu_refuses_them_by_the_same_reason(extra: str, words: str) -> None:
+    """``megatron-zb train --megatron-lm --cpu``'s check in the launching process (before any rank starts)."""
+    from megatron_zb.megatron_lm.preflight import check
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check([*PADDED, "--pipeline-model-parallel-size", "2", "--num-layers", "4", *extra.split()], 4, False)

@@ -60,11 +60,12 @@ def test_prepare_args_gives_v_two_chunks_and_leaves_megatrons_placements_alone()
 def test_prepare_args_refuses_megatrons_layout_flags_and_uneven_v_blocks() -> None:
     args = megatron_args("--enable-zero-bubble")
     args.decoder_first_pipeline_num_layers, args.account_for_loss_in_pipeline_split = 1, True
+    args.pipeline_model_parallel_layout = "E|t|t|tL"
     with pytest.raises(ValueError) as refused:
         prepare_args(args, v_shape(2), "zb-v")
     assert str(refused.value) == (
         "zb-v places its layer blocks itself (v placement: rank 0 holds layer blocks 0 and 3 of 4); "
-        "--decoder-first-pipeline-num-layers, --account-for-loss-in-pipeline-split lay layers out by megatron's "
+        "--pipeline-model-parallel-layout, --account-for-loss-in-pipeline-split lay layers out by megatron's "
         "looping placement (block = virtual stage x pipeline size + rank): drop them"
     )
     uneven = megatron_args("--enable-zero-bubble")
@@ -73,6 +74,31 @@ def test_prepare_args_refuses_megatrons_layout_flags_and_uneven_v_blocks() -> No
         ValueError, match=r"needs --num-layers divisible by 4 \(e\.g\. 8\); uneven blocks \[1, 2, 2, 1\]"
     ):
         prepare_args(uneven, v_shape(2), "zb-v")
+
+
+@pytest.mark.parametrize(
+    "first, last, layers", [(1, None, (1, 2, 2, 2)), (None, 1, (2, 2, 2, 1)), (3, 2, (3, 1, 1, 2))]
+)
+def test_first_and_last_stage_counts_are_the_v_blocks_ends(first, last, layers) -> None:
+    """--decoder-first/last-pipeline-num-layers on a V: the first and the last layer block (both on rank 0) take
+    them, the blocks between split the rest; megatron-core's config is left without them (it would split by its
+    looping placement), the counts kept for the placement's layout."""
+    from megatron_zb.megatron.megatron_mapping import block_layers
+
+    args = megatron_args("--enable-zero-bubble")
+    args.num_layers, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = 7, first, last
+    prepare_args(args, v_shape(2), "zb-v")
+    assert args.zero_bubble_block_layers == layers and args.virtual_pipeline_model_parallel_size == 2
+    assert args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None
+    assert block_layers(args, 7, v_shape(2)) == list(layers) and block_layers(None, 8, v_shape(2)) == [2, 2, 2, 2]
+
+
+def test_first_and_last_counts_that_leave_an_uneven_middle_are_refused() -> None:
+    args = megatron_args("--enable-zero-bubble")
+    args.num_layers, args.decoder_first_pipeline_num_layers = 7, 2
+    with pytest.raises(ValueError, match="--decoder-first-pipeline-num-layers 2 leave 5 of --num-layers 7 to the 3 "
+                       "other layer blocks of 4"):  # fmt: skip
+        prepare_args(args, v_shape(2), "zb-v")
 
 
 def build_like_megatron_lm(flags: str, tied: bool = True) -> dict:

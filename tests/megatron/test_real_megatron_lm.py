@@ -173,6 +173,47 @@ def test_moe_line_under_zb_1p_and_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> 
             assert found["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), (case, iteration)
 
 
+def test_padded_layers_equal_megatron_lms_own_uneven_split(tmp: Path) -> None:
+    """--allow-padding-num-layers as the reference implementation's scripts give it (6 layers on pp 4, which
+    Megatron-LM's validate_args refuses as such): zb-1p on Megatron-LM's own uneven split (the embedding's and
+    the loss's stages one layer, the others two) equals megatron-core's 1F1B given that split by its own flags."""
+    sizes = "--num-layers 6 --pipeline-model-parallel-size 4 --global-batch-size 8"
+    cases = {
+        "padded-1f1b": f"{sizes} --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+        "padded-zb-1p": f"{sizes} --allow-padding-num-layers --enable-zero-bubble",
+    }
+    rows = {}
+    for case, flags in cases.items():
+        metrics = tmp / f"{case}.jsonl"
+        done = launch(flags, metrics, "--train-iters", "4", processes=4)
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+    assert "built by Megatron-LM's own --account-for-embedding-in-pipeline-split" in done.stderr
+    reference, found = rows["padded-1f1b"], rows["padded-zb-1p"]
+    assert sorted(reference) == sorted(found) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
+    for iteration, row in reference.items():
+        assert found[iteration]["loss"] == pytest.approx(row["loss"], rel=1e-5), iteration
+        assert found[iteration]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), iteration
+
+
+def test_v_with_an_uneven_first_stage_equals_megatron_cores_1f1b(tmp: Path) -> None:
+    """--decoder-first-pipeline-num-layers 1 on 7 layers: megatron-core's 1F1B puts 1 layer on rank 0 and 6 on rank 1;
+    zb-v gives its first layer block 1 and the three others 2 each (rank 0: blocks 0 and 3). The same model from
+    the same weights: the losses and grad norms agree."""
+    flags = f"--num-layers 7 --decoder-first-pipeline-num-layers 1 {SAME_INIT}"
+    rows = {}
+    for case, schedule in {"first-1f1b": "", "first-zb-v": "--zero-bubble-v-schedule"}.items():
+        metrics = tmp / f"{case}.jsonl"
+        done = launch(f"{flags} {schedule}", metrics, "--train-iters", "4")
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+    reference, found = rows["first-1f1b"], rows["first-zb-v"]
+    assert sorted(reference) == sorted(found) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
+    for iteration, row in reference.items():
+        assert found[iteration]["loss"] == pytest.approx(row["loss"], rel=1e-5), iteration
+        assert found[iteration]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), iteration
+
+
 def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: Path) -> None:
     flags = "--zero-bubble-v-schedule --pipeline-model-parallel-layout E|t|t|tL"
     done = launch(flags, tmp / "v-layout.jsonl", "--train-iters", "1")

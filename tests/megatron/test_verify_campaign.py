@@ -52,6 +52,22 @@ def test_a_config_becomes_the_line_the_test_runner_passes(tmp_path: Path) -> Non
     ]
 
 
+def test_a_config_without_mode_or_flags_named_as_inference_is_not_pretraining(tmp_path: Path) -> None:
+    """gpt_dynamic_inference_tp1_pp1_583m_cuda_graphs_validation gives neither MODE nor MODEL_ARGS: not run (it was
+    refused by Megatron-LM's validate_args, a bare assert on the missing --micro-batch-size)."""
+    for name, text in (
+        ("gpt_dynamic_inference_tp1_cuda_graphs_validation", "ENV_VARS:\n  NCCL_ALGO: Tree\nMODEL_ARGS:\n"),
+        ("gpt3_no_flags", "MODEL_ARGS:\n"),  # not named as inference: left to pretrain_gpt (which refuses it)
+    ):
+        config = tmp_path / "gpt" / name / "model_config.yaml"
+        config.parent.mkdir(parents=True)
+        config.write_text(text + "TEST_TYPE: regular\n")
+    plain, inference = campaign.lines(tmp_path / "gpt")  # sorted by name
+    assert (inference.mode, inference.mode_given, plain.mode) == ("inference", False, "pretraining")
+    found = campaign.run(inference, None, ["--enable-zero-bubble"], 60)
+    assert found["outcome"] == "not pretraining" and found["why"].startswith("no MODE and no MODEL_ARGS: an inference")
+
+
 @pytest.mark.parametrize(
     "code, out, err, outcome, why",
     [
