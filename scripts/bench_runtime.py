@@ -1,16 +1,21 @@
-"""Iteration time of megatron-core's own 1F1B against our schedules, on CPU (pp=2, gloo).
+"""Iteration time of megatron-core's own 1F1B against our schedules, on CPU (pp=2, gloo), and PyTorch's peer.
 
 Two processes with one compute thread each run a small GPT for every schedule in turn
 (round-robin, so drift hits all alike); the median iteration time is reported as a ratio to
 megatron-core's 1F1B, next to the simulator's prediction from costs profiled in the same
-run (T_F, T_B, T_W per stage from a zb-h1 run, T_comm from a ping-pong). The automatic
-schedules are planned with those costs, as re-planning does in training. The prediction is
+run (T_F, T_B, T_W per stage and what the first and last block add, from a zb-v run: its
+V has two blocks per stage; T_comm from a ping-pong). The automatic schedules are planned
+with those costs, as re-planning does in training. PyTorch's own pipelining runtime runs a
+plain PyTorch GPT of the same sizes in the same rounds (``bench_runtime_pytorch.py``): its
+schedules' ratio to its Schedule1F1B is the peer of ours to megatron-core's. The prediction is
 also made with the costs measured in the timed rounds: on a shared CPU the passes' speed drifts
 between profiling and timing by more than a zero-bubble gain, and that drift is the machine's, not the runtime's.
 
 A second table splits each rank's time (``megatron_zb.training.idle``): compute (with the W
 split's cost beyond 1F1B's fused backward), waits the plan had, waits it did not, send/recv
-bookkeeping and Python between passes, each next to the simulated timeline's prediction.
+bookkeeping and Python between passes, each next to the simulated timeline's prediction. The
+W split is measured against 1F1B's fused backward of the same block (its stage's share, the
+ends' extras on the first and last block).
 
     python scripts/bench_runtime.py --output docs/bench_runtime.md
 
@@ -20,17 +25,28 @@ The workers keep freed memory (``megatron_zb.testing.bench``), for every schedul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
+from bench_runtime_pytorch import PEERS, REFERENCE
+
+# The page's own prose starts at this heading; a new run rewrites what is above it and keeps the rest.
+NOTES = "## What the numbers say"
 SCHEDULES = ("megatron-1f1b", "1f1b", "zb-h1", "zb-2p", "zb-v")
-# The schedule whose passes (F, B and W apart) give the costs, before and during the timed rounds.
-PROFILED = "zb-h1"
+# The schedule whose passes (F, B and W apart) give the costs, before and during the timed rounds: a
+# placement with two blocks per stage, so that the profile also says what the embedding and the loss add.
+PROFILED = "zb-v"
+# Iterations profiled before the timed rounds: the ends' extras are differences of block times, noisier than these.
+PROFILED_ITERATIONS = 5
 
 
-def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: int, model: dict) -> dict:
-    """On every rank: profile costs, plan every schedule with them, time them round-robin."""
+def measure(
+    schedules: tuple[str, ...], peers: tuple[str, ...], pp: int, m: int, rounds: int, warmup: int, model: dict
+) -> dict:
+    """On every rank: profile costs, plan every schedule with them, time them and PyTorch's ``peers`` round-robin."""
     import torch.distributed as dist
+    from bench_runtime_pytorch import Peer, predicted
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
@@ -52,12 +68,16 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
             models[kind] = toy.chunks(toy.config(pp, schedule.chunks), schedule, rank)
         return models[kind]
 
-    def iteration(function, chunks: list) -> float:
-        for chunk in chunks:
+    def iteration(function, chunks: list | None) -> float:
+        """One iteration of our runner or megatron-core's on ``chunks``; of a PyTorch peer's ``step`` without."""
+        for chunk in chunks or ():
             chunk.zero_grad(set_to_none=False)
         dist.barrier()
         start = time.perf_counter()
-        toy.step(function, chunks, batches)
+        if chunks is None:
+            function()
+        else:
+            toy.step(function, chunks, batches)
         dist.barrier()
         return time.perf_counter() - start
 
@@ -65,7 +85,7 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
     shape = (toy.seq, toy.micro_batch, toy.hidden)
     profiler = PassProfiler()
     profiled = ForwardBackward(PROFILED, profiler=profiler)
-    for index in range(warmup + 3):
+    for index in range(warmup + PROFILED_ITERATIONS):
         if index == warmup:
             profiler.start()
         iteration(profiled, chunks_for(profiled))
@@ -80,13 +100,16 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
         function = runner if ours else forward_backward_pipelining_without_interleaving
         runs[name] = (function, chunks_for(runner))
         plans[name] = runner.schedule_for(pp, m)
+    for label in peers:
+        peer = Peer(label, pp, m, model, group)
+        runs[label] = (peer.step, None)
     for _ in range(warmup):
-        for name in schedules:
+        for name in (*schedules, *peers):
             iteration(*runs[name])
-    times = {name: [] for name in schedules}
+    times = {name: [] for name in (*schedules, *peers)}
     for index in range(rounds):
-        for name in schedules:
-            profiler = profilers[name]
+        for name in (*schedules, *peers):
+            profiler = profilers.get(name)
             if profiler is not None:
                 profiler.iteration = index
                 profiler.start()
@@ -101,6 +124,7 @@ def measure(schedules: tuple[str, ...], pp: int, m: int, rounds: int, warmup: in
         "in_run": in_run,
         "plans": {name: plans[name] for name in schedules},
         "idle": idle_breakdowns(profilers, plans, in_run, rank, times),
+        "peers": {"before": predicted(pp, m, costs), "in_run": predicted(pp, m, in_run)} if peers else None,
     }
 
 
@@ -117,7 +141,7 @@ def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict)
     sums: dict = {}
     for rank_sums in gathered:
         add_sums(sums, rank_sums)
-    reference = idle.fused_backward(sums, plans["1f1b"])
+    reference = fused_blocks(idle.fused_backward(sums, plans["1f1b"]), costs)
     found = {}
     for name, profiler in profilers.items():
         if profiler is None:
@@ -125,7 +149,13 @@ def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict)
         schedule = plans[name]
         timeline = simulate(schedule, costs)
         gaps = idle.planned_gaps(timeline, rank)
-        measured = [idle.measured(profiler.records, call, gaps, schedule, reference) for call in profiler.calls]
+        measured = [
+            dataclasses.replace(
+                idle.measured(profiler.records, call, gaps),
+                w_split=w_split(profiler.records, call, schedule, reference),
+            )
+            for call in profiler.calls
+        ]
         outside = statistics.fmean(t - b.span for t, b in zip(times[name], measured, strict=True))
         found[name] = {
             "measured": idle.mean(measured),
@@ -133,6 +163,34 @@ def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict)
             "outside": outside,
         }
     return found
+
+
+def fused_blocks(fused: tuple[float, ...], costs):
+    """1F1B's fused backward per full stage as a cost model (``t_b``) whose ends add B's and W's extras.
+
+    ``training.idle.w_split`` gives every block its stage's share; on the V, rank 0's blocks hold
+    the embedding and the loss and that share would count their backward as W-split overhead.
+    """
+    from megatron_zb.schedule import CostModel
+
+    last = costs.pp - 1
+    first_extra = min(costs.t_b_ends[0] + costs.t_w_ends[0], fused[0])
+    last_extra = min(costs.t_b_ends[1] + costs.t_w_ends[1], fused[last] - (first_extra if last == 0 else 0.0))
+    return CostModel(costs.pp, t_f=0.0, t_b=fused, t_w=0.0, t_b_ends=(first_extra, last_extra))
+
+
+def w_split(records: list, call, schedule, fused) -> float:
+    """One run's B and W passes minus the fused backward of their blocks (``fused_blocks``), seconds."""
+    from megatron_zb.schedule import PassKind
+
+    extra = 0.0
+    for r in records:
+        if r.iteration != call.iteration or r.pass_.kind not in (PassKind.B, PassKind.W):
+            continue
+        extra += r.end - r.start
+        if r.pass_.kind is PassKind.B:
+            extra -= fused.duration(r.pass_, schedule.placements[r.pass_.pipe])
+    return extra
 
 
 def predictions(plans: dict, costs) -> dict[str, tuple[float, float]]:
@@ -146,7 +204,14 @@ def predictions(plans: dict, costs) -> dict[str, tuple[float, float]]:
     return found
 
 
-def table(results: list[dict], pp: int, m: int, model: dict, rounds: int, schedules: tuple[str, ...]) -> str:
+def ratio(times: dict, name: str, reference: str) -> float:
+    """The median of each round's ratio to the same round's ``reference``: drift over minutes cancels."""
+    return statistics.median(t / b for t, b in zip(times[name], times[reference], strict=True))
+
+
+def table(
+    results: list[dict], pp: int, m: int, model: dict, rounds: int, schedules: tuple[str, ...], peers: tuple[str, ...]
+) -> str:
     result = results[0]
     times = {name: statistics.median(values) for name, values in result["times"].items()}
     before = predictions(result["plans"], result["costs"])
@@ -154,10 +219,12 @@ def table(results: list[dict], pp: int, m: int, model: dict, rounds: int, schedu
     lines = [
         f"pp={pp}, m={m}, one compute thread per rank, gloo on CPU; model {model}; {rounds} iterations "
         "each, schedules interleaved round-robin; iteration: the median; ratio: the median of each round's "
-        "ratio to that round's megatron-core 1F1B.",
+        "ratio to that round's megatron-core 1F1B (PyTorch's schedules: to that round's PyTorch Schedule1F1B).",
         "",
         f"Costs per stage (ms) from {PROFILED}'s passes, profiled before the timed rounds: "
-        f"{_costs(result['costs'])}; in the timed rounds: {_costs(result['in_run'])}.",
+        f"{_costs(result['costs'])}; in the timed rounds: {_costs(result['in_run'])}. Ends: what the first "
+        "block (embedding) and the last (output layer and loss) take beyond a block of layers alone; "
+        "included in the first and last stage's time, planned on the blocks that hold them.",
         "",
         "Predicted ratios simulate the executed plans (planned with the costs profiled before) with the costs "
         "profiled before, and with those measured in the timed rounds themselves; gain kept is the measured "
@@ -167,19 +234,59 @@ def table(results: list[dict], pp: int, m: int, model: dict, rounds: int, schedu
         "| predicted bubble (in the rounds) | gain kept (costs before / in the rounds) |",
         "|---|---|---|---|---|---|",
     ]
+    kept_by_name = {}
     for name in schedules:
-        # Per round against the same round's megatron-core 1F1B, then the median: drift over minutes cancels.
-        ratio = statistics.median(
-            t / b for t, b in zip(result["times"][name], result["times"]["megatron-1f1b"], strict=True)
-        )
+        measured = ratio(result["times"], name, "megatron-1f1b")
         planned = [found[name][0] / found["megatron-1f1b"][0] for found in (before, during)]
-        kept = " / ".join(f"{(1 - ratio) / (1 - p):.0%}" if p < 0.999 else "-" for p in planned)
+        kept_by_name[name] = [(1 - measured) / (1 - p) if p < 0.999 else None for p in planned]
+        kept = " / ".join("-" if k is None else f"{k:.0%}" for k in kept_by_name[name])
         lines.append(
-            f"| {name} | {times[name] * 1e3:.1f} | {ratio:.3f} | {planned[0]:.3f} / {planned[1]:.3f} "
+            f"| {name} | {times[name] * 1e3:.1f} | {measured:.3f} | {planned[0]:.3f} / {planned[1]:.3f} "
             f"| {during[name][1]:.1%} | {kept} |"
         )
+    if peers:
+        lines += ["", *peer_table(result, peers)]
+        if "zb-v" in schedules and "torch-zbv" in peers:
+            ours, theirs = (
+                ratio(result["times"], "zb-v", "megatron-1f1b"),
+                ratio(result["times"], "torch-zbv", REFERENCE),
+            )
+            kept = kept_by_name["zb-v"]
+            lines += [
+                "",
+                f"zb-v: {ours:.3f} of megatron-core's 1F1B, keeping {_share(kept[0])} / {_share(kept[1])} of its "
+                f"predicted gain (costs before / in the rounds); PyTorch's ScheduleZBVZeroBubble: {theirs:.3f} of "
+                f"PyTorch's Schedule1F1B; zb-v's ratio is {'below' if ours < theirs else 'not below'} it.",
+            ]
     lines += ["", *breakdown_table(results, schedules)]
     return "\n".join(lines) + "\n"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def peer_table(result: dict, peers: tuple[str, ...]) -> list[str]:
+    """PyTorch's runtime: its schedules against its own Schedule1F1B, with our simulator's prediction of its orders."""
+    before, during = result["peers"]["before"], result["peers"]["in_run"]
+    lines = [
+        "PyTorch's pipelining runtime (torch.distributed.pipelining, a plain PyTorch GPT of the same sizes), in "
+        "the same rounds; predicted: our simulator on PyTorch's orders with the costs above (measured on the "
+        "megatron-core model, so a guide only).",
+        "",
+        "| PyTorch schedule | iteration (ms) | vs PyTorch Schedule1F1B | predicted ratio (costs before / in the "
+        "rounds) | gain kept (costs before / in the rounds) |",
+        "|---|---|---|---|---|",
+    ]
+    for label in peers:
+        measured = ratio(result["times"], label, REFERENCE)
+        planned = [found[label] / found[REFERENCE] for found in (before, during)]
+        kept = " / ".join(f"{(1 - measured) / (1 - p):.0%}" if p < 0.999 else "-" for p in planned)
+        median = statistics.median(result["times"][label])
+        lines.append(
+            f"| {PEERS[label]} | {median * 1e3:.1f} | {measured:.3f} | {planned[0]:.3f} / {planned[1]:.3f} | {kept} |"
+        )
+    return lines
 
 
 BREAKDOWN_COLUMNS = (
@@ -224,7 +331,8 @@ def _ms(values) -> str:
 
 
 def _costs(costs) -> str:
-    return f"T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, T_W {_ms(costs.t_w)}, T_comm {costs.t_comm * 1e3:.2f}"
+    ends = f"ends (first/last) F {_ms(costs.t_f_ends)}, B {_ms(costs.t_b_ends)}, W {_ms(costs.t_w_ends)}"
+    return f"T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, T_W {_ms(costs.t_w)}, T_comm {costs.t_comm * 1e3:.2f}, {ends}"
 
 
 def main() -> None:
@@ -237,6 +345,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--output", help="also write the table to this markdown file")
+    parser.add_argument("--no-pytorch", action="store_true", help="leave PyTorch's pipelining runtime out")
     args = parser.parse_args()
     from megatron_zb.testing.bench import report, run_on_cpu_ranks
 
@@ -244,18 +353,35 @@ def main() -> None:
     model = dict(
         layers=args.layers, hidden=args.hidden, heads=8, seq=args.seq, micro_batch=args.micro_batch, vocab=1024
     )
+    peers = () if args.no_pytorch else tuple(PEERS)
     results = run_on_cpu_ranks(
         pp,
         measure,
         schedules=SCHEDULES,
+        peers=peers,
         pp=pp,
         m=args.microbatches,
         rounds=args.rounds,
         warmup=args.warmup,
         model=model,
     )
-    text = table(results, pp, args.microbatches, model, args.rounds, SCHEDULES)
+    text = table(results, pp, args.microbatches, model, args.rounds, SCHEDULES, peers)
+    notes = kept_notes(args.output)
     report(text, "Runtime benchmark", "bench_runtime.py", args.output)
+    if notes:
+        with open(args.output, "a", encoding="utf-8") as handle:
+            handle.write("\n" + notes)
+
+
+def kept_notes(path: str | None) -> str:
+    """The output page's prose from ``NOTES`` on, which a run does not measure and so must not erase."""
+    try:
+        with open(path or "", encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return ""
+    start = text.find("\n" + NOTES + "\n")
+    return text[start + 1 :] if start >= 0 else ""
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ for traces; they are left out of the costs) (on a GPU the clock synchronises the
 so profile a few iterations, not the whole run). ``cost_model()`` averages the times over
 all pipeline ranks into per-stage T_F, T_B, T_W (the simulator's units: a full stage, 1/pp
 of the layers, whatever the placement) and measures T_comm with a ping-pong of one boundary
-tensor between neighbouring ranks.
+tensor between neighbouring ranks. A profile of a placement with several blocks per stage also
+gives what the model's ends add (``CostModel.t_f_ends``): the first block's time beyond the
+other blocks of its stage (the embedding) and the last block's (output layer and loss).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ class PassProfiler:
         """(kind, full stage) -> (sum of per-stage-scaled seconds, count) on this rank."""
         return stage_sums(self.records, schedule)
 
+    def local_blocks(self) -> dict[tuple[str, int], tuple[float, int]]:
+        """(kind, block) -> (sum of seconds, count) on this rank."""
+        return block_sums(self.records)
+
     def cost_model(
         self,
         schedule: Schedule,
@@ -95,7 +101,14 @@ class PassProfiler:
     ) -> CostModel:
         """Costs of this profiler's records averaged over every rank (see ``agreed_cost_model``)."""
         return agreed_cost_model(
-            self.local_means(schedule), schedule, group, boundary_shape, dtype, self.device, w_share_when_fused
+            self.local_means(schedule),
+            schedule,
+            group,
+            boundary_shape,
+            dtype,
+            self.device,
+            w_share_when_fused,
+            self.local_blocks(),
         )
 
     def kinds_seen(self) -> set[PassKind]:
@@ -131,6 +144,15 @@ def stage_sums(records: list[PassRecord], schedule: Schedule) -> dict[tuple[str,
     return sums
 
 
+def block_sums(records: list[PassRecord]) -> dict[tuple[str, int], tuple[float, int]]:
+    """(kind, block) -> (sum of seconds, count) of ``records``: what each block's passes took, unscaled."""
+    sums: dict[tuple[str, int], tuple[float, int]] = {}
+    for record in records:
+        if record.pass_.kind.is_compute:
+            add_sums(sums, {(record.pass_.kind.value, record.pass_.stage): (record.end - record.start, 1)})
+    return sums
+
+
 def add_sums(into: dict, more: dict) -> dict:
     """Fold one ``stage_sums`` result into another (several timed iterations)."""
     for key, (total, count) in more.items():
@@ -147,18 +169,23 @@ def agreed_cost_model(
     dtype: torch.dtype,
     device: torch.device,
     w_share_when_fused: float = 0.5,
+    blocks: dict[tuple[str, int], tuple[float, int]] | None = None,
 ) -> CostModel:
     """Costs (seconds) averaged over every rank's ``stage_sums`` (collective over the default group).
 
     Every rank gets the same model, so tensor- and data-parallel replicas keep planning the
     same schedule. ``group`` is this rank's pipeline group, where T_comm is measured. A
     fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
+    With ``blocks`` (every rank's ``block_sums``, or none on every rank) the ends' extras are
+    measured too (``end_extras``).
     """
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(sums))
+    dist.all_gather_object(gathered, (dict(sums), dict(blocks or {})))
     totals: dict[tuple[str, int], tuple[float, int]] = {}
-    for rank_sums in gathered:
+    block_totals: dict[tuple[str, int], tuple[float, int]] = {}
+    for rank_sums, rank_blocks in gathered:
         add_sums(totals, rank_sums)
+        add_sums(block_totals, rank_blocks)
 
     def mean(kind: str, stage: int) -> float | None:
         total, count = totals.get((kind, stage), (0.0, 0))
@@ -173,7 +200,57 @@ def agreed_cost_model(
         t_b.append(b or 0.0)
         t_w.append(w or 0.0)
     t_comm = measure_latency(group, boundary_shape, dtype, device)
-    return CostModel(schedule.pp, tuple(t_f), tuple(t_b), tuple(t_w), t_comm)
+    per_stage = {"t_f": tuple(t_f), "t_b": tuple(t_b), "t_w": tuple(t_w)}
+    ends = end_extras(block_totals, schedule, per_stage, w_share_when_fused)
+    return CostModel(schedule.pp, *per_stage.values(), t_comm, **ends)
+
+
+def end_extras(
+    blocks: dict[tuple[str, int], tuple[float, int]],
+    schedule: Schedule,
+    per_stage: dict[str, tuple[float, ...]],
+    w_share_when_fused: float = 0.5,
+) -> dict[str, tuple[float, float]]:
+    """``t_f_ends``, ``t_b_ends``, ``t_w_ends`` from the blocks' mean times (``block_sums``, all ranks).
+
+    The first block's extra is its time beyond the mean of its stage's other blocks (they hold
+    as many layers and no end); likewise the last block's. A placement with one block per stage
+    (or a stage whose only other blocks are ends) measures none: zero, as before. Noise that
+    makes an end faster than a plain block gives zero too, and an extra never exceeds the
+    stage time that includes it.
+    """
+    placement, pp = schedule.placement, schedule.pp
+    chunks, last = placement.chunks, placement.num_stages - 1
+
+    def times(block: int) -> dict[str, float]:
+        """Per time field, the block's mean seconds (a fused BW split as ``agreed_cost_model`` does)."""
+        found = {}
+        for kind, name in (("F", "t_f"), ("B", "t_b"), ("W", "t_w")):
+            total, count = blocks.get((kind, block), (0.0, 0))
+            if count:
+                found[name] = total / count
+        total, count = blocks.get(("BW", block), (0.0, 0))
+        if count and "t_b" not in found:
+            found["t_b"], found["t_w"] = total / count * (1 - w_share_when_fused), total / count * w_share_when_fused
+        return found
+
+    def extra(end: int, stage: int) -> dict[str, float]:
+        plain = [b for b in range(stage * chunks, (stage + 1) * chunks) if b not in (0, last)]
+        if not plain:
+            return {}
+        own, others = times(end), [times(b) for b in plain]
+        found = {}
+        for name in ("t_f", "t_b", "t_w"):
+            values = [o[name] for o in others if name in o]
+            if name in own and len(values) == len(others):
+                found[name] = min(max(own[name] - sum(values) / len(values), 0.0), per_stage[name][stage])
+        return found
+
+    first, final = extra(0, 0), extra(last, pp - 1)
+    if pp == 1:  # both ends lie in the one stage: together at most its time
+        for name in set(first) & set(final):
+            final[name] = min(final[name], per_stage[name][0] - first[name])
+    return {f"{name}_ends": (first.get(name, 0.0), final.get(name, 0.0)) for name in ("t_f", "t_b", "t_w")}
 
 
 def measure_latency(

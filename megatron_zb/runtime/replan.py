@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Schedule, ScheduleError, schedule_from_data, schedule_to_data, simulate
+from ..schedule.costs import ENDS
 from ..schedule.costs_file import MeasuredCosts, save_costs
 from .profiler import PassProfiler, add_sums, agreed_cost_model, stage_sums
 
@@ -202,6 +203,7 @@ def _milliseconds(seconds: CostModel, planned: CostModel | None) -> CostModel:
         t_b=tuple(1000 * t for t in seconds.t_b),
         t_w=tuple(1000 * t for t in seconds.t_w),
         t_comm=1000 * seconds.t_comm,
+        **{name: tuple(1000 * t for t in getattr(seconds, name)) for name in ENDS.values()},
     )
     if planned is None:
         return costs

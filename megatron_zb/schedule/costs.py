@@ -1,7 +1,12 @@
 """Per-stage pass costs and memory deltas, in the units every tool of the project shares.
 
 Times and memory are given per full stage (1/pp of the layers) whatever the placement: a
-block holding 1/chunks of a stage costs 1/chunks of it. Memory is counted in one
+block holding 1/chunks of a stage costs 1/chunks of it, except for what the ends of the model
+add. The first block holds the embedding, the last the output layer and the loss, whatever
+the placement puts them with (the V puts both on rank 0): ``t_f_ends`` (and ``t_b_ends``,
+``t_w_ends``) is the pair (first block's extra, last block's extra), already inside the first
+and the last stage's time. A block of a stage costs its share of the stage's time without
+the extra, plus the extra if it is the first or last block. Memory is counted in one
 microbatch's activations of a full stage. T_comm is a latency per cross-rank edge. T_dp is the
 time of one data-parallel collective over a full stage's weights or gradients (a gather or a
 reduction), mem_param the memory a full stage's gathered weights take while gathered (ZeRO-3).
@@ -19,6 +24,9 @@ from .ir import Pass, ScheduleError
 from .placement import Placement
 
 PerStage = tuple[float, ...]
+Ends = tuple[float, float]  # (the first block's extra, the last block's extra)
+# Which time field each ends field adds to.
+ENDS = {"t_f": "t_f_ends", "t_b": "t_b_ends", "t_w": "t_w_ends"}
 # Larger magnitudes make the simulator's sums lose the precision its 1e-9 comparisons rely on (or overflow).
 MAX_MAGNITUDE = 1e15
 
@@ -36,7 +44,7 @@ FLAGS = {
 
 
 def _name(field_name: str) -> str:
-    return f"{field_name} ({FLAGS[field_name]})"
+    return f"{field_name} ({FLAGS[field_name]})" if field_name in FLAGS else field_name
 
 
 def _check_finite(name: str, values: Sequence[float]) -> None:
@@ -46,6 +54,28 @@ def _check_finite(name: str, values: Sequence[float]) -> None:
         raise ScheduleError(
             f"{_name(name)} must be finite numbers of magnitude at most {MAX_MAGNITUDE:g}, got {bad[0]!r}"
         )
+
+
+def _ends(name: str, values: Sequence[float], per_stage: PerStage) -> Ends:
+    """Two numbers, each at most the stage time it is part of (both in stage 0 when pp = 1)."""
+    if isinstance(values, (int, float, bool)) or len(values) != 2 or any(isinstance(v, bool) for v in values):
+        raise ScheduleError(
+            f"{_name(name)} must be two numbers (first block's extra, last block's extra), got {values!r}"
+        )
+    first, last = (float(v) for v in values)
+    _check_finite(name, (first, last))
+    if first < 0 or last < 0:
+        raise ScheduleError(f"{_name(name)} must not be negative: {(first, last)}")
+    within = [(first, 0), (last, len(per_stage) - 1)]
+    if len(per_stage) == 1:
+        within = [(first + last, 0)]
+    for extra, stage in within:
+        if extra > per_stage[stage] * (1 + 1e-9):
+            raise ScheduleError(
+                f"{_name(name)}: an extra of {extra:g} is more than stage {stage}'s whole time {per_stage[stage]:g}, "
+                "which includes it"
+            )
+    return first, last
 
 
 def _per_stage(name: str, values: float | Sequence[float], pp: int) -> PerStage:
@@ -73,6 +103,9 @@ class CostModel:
     mem_w: PerStage = field(default=(-0.5,))
     t_dp: PerStage = field(default=(0.0,))
     mem_param: PerStage = field(default=(0.0,))
+    t_f_ends: Ends = (0.0, 0.0)
+    t_b_ends: Ends = (0.0, 0.0)
+    t_w_ends: Ends = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if isinstance(self.pp, bool) or not isinstance(self.pp, numbers.Integral) or self.pp < 1:
@@ -96,11 +129,35 @@ class CostModel:
                     f"stage {stage}: mem_f + mem_b + mem_w (--mem-f/--mem-b/--mem-w) = {total:g}, must be 0 "
                     f"(B and W free what F allocated; e.g. mem_f=1, mem_b=-0.5, mem_w=-0.5)"
                 )
+        for name, ends_name in ENDS.items():
+            object.__setattr__(self, ends_name, _ends(ends_name, getattr(self, ends_name), getattr(self, name)))
+        # Not a field: planners call ``duration`` millions of times, and most models have no ends.
+        object.__setattr__(self, "_ends", {n: getattr(self, e) for n, e in ENDS.items() if any(getattr(self, e))})
 
     def duration(self, p: Pass, placement: Placement) -> float:
-        """The pass's time: the fields its ``ActionSpec.time`` names, summed, for its share of a stage."""
+        """The pass's time: the fields its ``ActionSpec.time`` names, summed, for its block (see the module)."""
         stage = placement.full_stage(p.stage)
-        return sum(getattr(self, name)[stage] for name in spec(p.kind).time) / placement.chunks
+        names = spec(p.kind).time
+        if placement.chunks == 1 or not self._ends:  # a block is the whole stage, ends and all
+            return sum(getattr(self, name)[stage] for name in names) / placement.chunks
+        return sum(self._block_time(name, p.stage, placement) for name in names)
+
+    def _block_time(self, name: str, block: int, placement: Placement) -> float:
+        stage, last = placement.full_stage(block), placement.num_stages - 1
+        first_extra, last_extra = self._ends.get(name, (0.0, 0.0))
+        layers = getattr(self, name)[stage]
+        layers -= (first_extra if stage == 0 else 0.0) + (last_extra if stage == self.pp - 1 else 0.0)
+        own = (first_extra if block == 0 else 0.0) + (last_extra if block == last else 0.0)
+        return layers / placement.chunks + own
+
+    def block_work(self, block: int, placement: Placement) -> float:
+        """F + B + W of one microbatch on ``block`` of ``placement`` (a rank's work sums its blocks')."""
+        return sum(self._block_time(name, block, placement) for name in ENDS)
+
+    @property
+    def has_ends(self) -> bool:
+        """Whether the first or last block costs more than its share of its stage."""
+        return bool(self._ends)
 
     def memory_delta(self, p: Pass, placement: Placement) -> float:
         """What the pass allocates (+) or frees (-), as its ``ActionSpec`` names it, for its share of a stage."""

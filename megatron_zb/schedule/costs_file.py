@@ -12,11 +12,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .costs import CostModel
+from .costs import ENDS, CostModel
 from .ir import ScheduleError
 
 FORMAT = "megatron-zb costs 1"
 _COST_FIELDS = ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w")
+# What the first and last block add (``CostModel.t_f_ends``); files written before them have none.
+_OPTIONAL_FIELDS = tuple(ENDS.values())
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class MeasuredCosts:
     extra: dict = field(default_factory=dict)  # e.g. the re-planning's predicted bubbles
 
     def to_dict(self) -> dict:
-        costs = {name: getattr(self.costs, name) for name in _COST_FIELDS}
+        costs = {name: getattr(self.costs, name) for name in _COST_FIELDS + _OPTIONAL_FIELDS}
         return {
             "format": FORMAT,
             "unit": "ms",
@@ -78,7 +80,8 @@ def _measured(data: dict) -> MeasuredCosts:
     pp = _whole(data, "pp")
     if pp is None:
         raise ScheduleError('"pp" is missing: the pipeline size the costs were measured at')
-    model = CostModel(pp, **{name: _value(name, costs[name]) for name in _COST_FIELDS})
+    present = _COST_FIELDS + tuple(name for name in _OPTIONAL_FIELDS if name in costs)
+    model = CostModel(pp, **{name: _value(name, costs[name]) for name in present})
     memory_limit = data.get("memory_limit")
     if memory_limit is not None and not (_is_number(memory_limit) and math.isfinite(memory_limit) and memory_limit > 0):
         raise ScheduleError(f'"memory_limit" must be a finite number > 0 or null, got {memory_limit!r}')
