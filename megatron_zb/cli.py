@@ -33,7 +33,9 @@ def make_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="generate, validate, simulate and draw one schedule")
     add_to(plan, PLAN, checked=True)
     compare = commands.add_parser(
-        "compare", help="every schedule for one setting: bubbles, peak memory, communication, Pareto frontier"
+        "compare",
+        help="every schedule for one setting (each family at every chunk count auto searches, PyTorch's orders, "
+        "auto's pick): bubbles, peak memory, communication, the best under --memory-limit, the Pareto frontier",
     )
     add_to(compare, COMPARE, checked=True)
     commands.add_parser("list", help="the registered schedules, one line each")

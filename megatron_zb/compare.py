@@ -1,35 +1,46 @@
-"""Every registered schedule for one setting, side by side: bubbles, memory, communication.
+"""Every schedule for one setting side by side, and the best one at the given memory.
 
-``compare(spec)`` builds each non-composite schedule with the same pp, microbatches, cost
-model and memory limit (chunks: each generator's default unless the spec names one), and
-marks the Pareto frontier of (max peak memory, stage-span bubble): the schedules that no
-other built schedule beats on one metric without losing on the other. Pure Python.
+``compare(spec)`` lists what ``auto`` chooses among, as rows of their own: each family at
+every chunk count ``auto`` searches (``chunk_counts``), PyTorch's ZB-V, DualPipeV and
+interleaved zero-bubble orders (``torch_orders``, named as PyTorch's classes), and ``auto``'s
+pick; families that keep more weights than the limit measures are listed but not ranked. A
+row over the memory limit, or one the family cannot plan, is listed as refused with the
+reason (over the limit: the memory it needs). *Best* marks the rows ranked first as ``auto``
+ranks (shortest makespan, then stage span, then peak; stage span first with post-validation),
+so the best row is never worse than ``auto`` or a PyTorch order that fits. The Pareto frontier
+of (max peak memory, stage-span bubble) is marked too. Pure Python.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 
 from .schedule import comm
 from .schedule.costs import CostModel
-from .schedule.ir import ScheduleError
+from .schedule.generators.auto import chunk_counts, splits_layers, torch_orders
+from .schedule.ir import Schedule, ScheduleError
 from .schedule.lower import DataParallel, lower
-from .schedule.registry import ScheduleSpec, build, get, names
+from .schedule.registry import ScheduleSpec, build, get, names, peak_memory
 from .schedule.simulate import Timeline, simulate
+from .schedule.validate import check
 
 EPS = 1e-9  # metrics closer than this count as equal (frontier ties, sorting)
 FRONTIER_MARK = "*"
+BEST_MARK = "best"
 MAX_RANKS_SHOWN = 8  # the text table abbreviates longer per-rank peak lists; json has them all
-HEAD = ("", "schedule", "chunks", "placement", "makespan", "bubble", "bubble(ms)", "peak", "peak per rank", "comm")
-LEFT_ALIGNED = {1, 3, 8}  # text columns; numbers are right-aligned
+HEAD = ("", "", "schedule", "chunks", "placement", "makespan", "bubble", "bubble(ms)", "peak", "peak per rank", "comm")
+LEFT_ALIGNED = {0, 2, 4, 9}  # text columns; numbers are right-aligned
+_TORCH_LABEL = re.compile(r"PyTorch's (\w+) order(.*)")  # how ``torch_orders`` names them
 
 
 @dataclass(frozen=True)
 class Row:
-    """One schedule's numbers, or the reason the registry refused it (``refused``)."""
+    """One schedule's numbers, or the reason it was refused (``refused``)."""
 
-    name: str
+    name: str  # the family, with its chunk count where it is searched at several; a PyTorch class; "auto (pick)"
     refused: str | None = None
     chunks: int | None = None
     placement: str | None = None  # placement kinds, "+"-joined for schedules with several pipes
@@ -40,6 +51,9 @@ class Row:
     peak_memory: tuple[float, ...] = ()  # per rank, in one microbatch's activations of a full stage
     comm_volume: int | None = None  # cross-rank transfers per iteration (comm.volume)
     frontier: bool = False
+    family: str | None = None  # the registered schedule that made it (--schedule); None for PyTorch's orders
+    weight_copies: int = 1  # copies of the weights per rank; only rows with one are ranked for best
+    best: bool = False
 
     @property
     def built(self) -> bool:
@@ -50,7 +64,7 @@ class Row:
         return max(self.peak_memory) if self.peak_memory else None
 
     @classmethod
-    def from_timeline(cls, name: str, timeline: Timeline) -> Row:
+    def from_timeline(cls, name: str, timeline: Timeline, **fields) -> Row:
         schedule = timeline.schedule
         return cls(
             name=name,
@@ -62,11 +76,13 @@ class Row:
             bubble_rate_makespan=timeline.bubble_rate_makespan,
             peak_memory=timeline.peak_memory,
             comm_volume=comm.volume(schedule),
+            **fields,
         )
 
     def to_dict(self) -> dict:
         return {
             "schedule": self.name,
+            "family": self.family,
             "refused": self.refused,
             "chunks": self.chunks,
             "placement": self.placement,
@@ -77,7 +93,9 @@ class Row:
             "peak_memory": list(self.peak_memory) if self.built else None,
             "max_peak_memory": self.max_peak,
             "comm_volume": self.comm_volume,
+            "weight_copies": self.weight_copies,
             "pareto_frontier": self.frontier,
+            "best": self.best,
         }
 
 
@@ -85,10 +103,11 @@ class Row:
 class Comparison:
     pp: int
     microbatches: int
-    chunks: int | None  # as requested; None: each schedule's default
+    chunks: int | None  # as requested; None: each family at every count auto searches
     memory_limit: float | None
     costs: CostModel
-    rows: tuple[Row, ...]  # built rows by (bubble, peak, name), then refused rows by name
+    rows: tuple[Row, ...]  # built rows by rank (``rank_key``), then refused rows by name
+    post_validation: bool = False  # iterations overlap: best by stage span first
 
     @property
     def built(self) -> tuple[Row, ...]:
@@ -98,6 +117,10 @@ class Comparison:
     def refused(self) -> tuple[Row, ...]:
         return tuple(row for row in self.rows if not row.built)
 
+    @property
+    def best(self) -> tuple[Row, ...]:
+        return tuple(row for row in self.rows if row.best)
+
     def row(self, name: str) -> Row:
         for row in self.rows:
             if row.name == name:
@@ -105,7 +128,7 @@ class Comparison:
         raise KeyError(name)
 
     def setting(self) -> str:
-        chunks = "default" if self.chunks is None else str(self.chunks)
+        chunks = "searched" if self.chunks is None else str(self.chunks)
         limit = "none" if self.memory_limit is None else f"{self.memory_limit:g}"
         return f"pp={self.pp}  microbatches={self.microbatches}  chunks={chunks}  memory limit={limit}"
 
@@ -116,6 +139,7 @@ class Comparison:
             "microbatches": self.microbatches,
             "chunks": self.chunks,
             "memory_limit": self.memory_limit,
+            "post_validation": self.post_validation,
             "costs": asdict(self.costs),
             "rows": [row.to_dict() for row in self.rows],
         }
@@ -130,6 +154,7 @@ class Comparison:
             "comm = cross-rank transfers per iteration",
             f"peak = activation memory in one microbatch's activations of a stage; {FRONTIER_MARK} = on the Pareto "
             "frontier of (peak, bubble)",
+            f"{BEST_MARK} = {self._best_rule()}",
             "",
         ]
         for line in cells:
@@ -140,6 +165,14 @@ class Comparison:
             width = max(len(row.name) for row in self.refused)
             lines += [f"  {row.name.ljust(width)}  {row.refused}" for row in self.refused]
         return "\n".join(lines) + "\n"
+
+    def _best_rule(self) -> str:
+        first = "stage span, then makespan" if self.post_validation else "makespan, then stage span"
+        rule = f"ranked first as auto ranks: shortest {first}, then lowest peak"
+        unranked = sorted({f"{row.name} ({row.weight_copies})" for row in self.built if row.weight_copies > 1})
+        if unranked:
+            rule += f"; not ranked, for their copies of the weights: {', '.join(unranked)}"
+        return rule
 
 
 def _num(value: float) -> str:
@@ -155,6 +188,7 @@ def _per_rank(peaks: tuple[float, ...]) -> str:
 
 def _cells(row: Row) -> tuple[str, ...]:
     return (
+        BEST_MARK if row.best else "",
         FRONTIER_MARK if row.frontier else "",
         row.name,
         str(row.chunks),
@@ -180,12 +214,92 @@ def mark_frontier(rows: list[Row]) -> list[Row]:
     return [replace(row, frontier=not any(dominates(other, row) for other in rows)) for row in rows]
 
 
-def _sort_key(row: Row) -> tuple:
-    return (round(row.bubble_rate, 9), round(row.max_peak, 9), row.name)
+def rank_key(row: Row, post_validation: bool = False) -> tuple[float, float, float]:
+    """What sets the iteration time, as ``auto`` ranks: makespan, stage span, peak (span first with post-validation)."""
+    first = (row.stage_span, row.makespan) if post_validation else (row.makespan, row.stage_span)
+    return (round(first[0], 9), round(first[1], 9), round(row.max_peak, 9))
+
+
+def mark_best(rows: list[Row], post_validation: bool = False) -> list[Row]:
+    """Set ``best`` on the ranked rows (one copy of the weights) that share the first ``rank_key``; ties all."""
+    ranked = [rank_key(row, post_validation) for row in rows if row.weight_copies == 1]
+    first = min(ranked, default=None)
+    return [replace(row, best=row.weight_copies == 1 and rank_key(row, post_validation) == first) for row in rows]
+
+
+Lowering = DataParallel | None
+
+
+def _timed(name: str, schedule: Schedule, costs: CostModel, lowering: Lowering, **fields) -> Row:
+    timeline = simulate(schedule if lowering is None else lower(schedule, lowering), costs)
+    return Row.from_timeline(name, timeline, **fields)
+
+
+def _refusal(name: str, error: ScheduleError, **fields) -> Row:
+    reason = str(error).strip().splitlines()
+    return Row(name, refused=reason[0] if reason else type(error).__name__, **fields)
+
+
+def _check_layers(schedule: Schedule, spec: ScheduleSpec) -> None:
+    """With ``spec.layers``, refuse a placement whose blocks do not split them, as ``auto`` passes it over."""
+    if not splits_layers(schedule, spec):
+        raise ScheduleError(f"its {schedule.chunks} chunk(s) per rank do not split {spec.layers} layers")
+
+
+def _family_rows(family: str, spec: ScheduleSpec, lowering: Lowering) -> Iterator[Row]:
+    """A family at each chunk count ``auto`` searches (if it plans any; else as it runs), named as ``auto`` names
+    them; the counts it cannot run, or whose plan is over the memory limit, as refusals."""
+    generator = get(family)
+    searched = "chunks" in generator.options
+    for chunks in chunk_counts(spec) if searched else (spec.chunks,):
+        name = f"{family}, {chunks} chunks" if searched and chunks > 1 else family
+        fields = {"family": family, "weight_copies": generator.weight_copies}
+        try:
+            schedule = build(family, replace(spec, chunks=chunks), suggest=False)
+            _check_layers(schedule, spec)
+            yield _timed(name, schedule, spec.costs, lowering, **fields)
+        except ScheduleError as error:
+            yield _refusal(name, error, chunks=chunks, **fields)
+
+
+def torch_name(label: str) -> str:
+    """``torch_orders``' label as PyTorch names the schedule: "PyTorch's DualPipeV order" -> "ScheduleDualPipeV"."""
+    found = _TORCH_LABEL.fullmatch(label)
+    return f"Schedule{found.group(1)}{found.group(2)}" if found else label
+
+
+def _torch_rows(spec: ScheduleSpec, lowering: Lowering) -> Iterator[Row]:
+    """PyTorch's orders where they run the setting; over the memory limit, refused with the memory they need."""
+    for schedule in torch_orders(spec):
+        name = torch_name(schedule.name)
+        try:
+            check(schedule, spec.costs)
+            _check_layers(schedule, spec)
+            peak = peak_memory(schedule, spec.costs)
+            if spec.memory_limit is not None and peak > spec.memory_limit + EPS:
+                raise ScheduleError(
+                    f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
+                    f"got {spec.memory_limit:g}"
+                )
+            yield _timed(name, schedule, spec.costs, lowering)
+        except ScheduleError as error:
+            yield _refusal(name, error, chunks=schedule.chunks)
+
+
+def _picker_rows(spec: ScheduleSpec, lowering: Lowering) -> Iterator[Row]:
+    """Each composite schedule's pick (``auto``), named as it names itself: "auto (zb-v)"."""
+    for family in names():
+        if not get(family).composite:
+            continue
+        try:
+            schedule = build(family, spec, suggest=False)
+            yield _timed(schedule.name, schedule, spec.costs, lowering, family=family)
+        except ScheduleError as error:
+            yield _refusal(family, error, family=family)
 
 
 def compare(spec: ScheduleSpec, data_parallel: DataParallel | None = None) -> Comparison:
-    """Build and simulate every non-composite registered schedule for ``spec``'s setting.
+    """Build and simulate every row for ``spec``'s setting (see the module docstring).
 
     With ``data_parallel`` each schedule is lowered with its data-parallel actions first.
     """
@@ -193,19 +307,12 @@ def compare(spec: ScheduleSpec, data_parallel: DataParallel | None = None) -> Co
         raise ScheduleError(
             f"--memory-limit must be a finite number (leave it out for no limit), got {spec.memory_limit}"
         )
-    costs = spec.cost_model()
-    spec = replace(spec, costs=costs)
-    built, refused = [], []
-    for name in names():
-        if get(name).composite:
-            continue
-        try:
-            schedule = build(name, spec)
-            timeline = simulate(schedule if data_parallel is None else lower(schedule, data_parallel), costs)
-        except ScheduleError as error:
-            reason = str(error).strip().splitlines()
-            refused.append(Row(name, refused=reason[0] if reason else type(error).__name__))
-            continue
-        built.append(Row.from_timeline(name, timeline))
-    rows = sorted(mark_frontier(built), key=_sort_key) + sorted(refused, key=lambda row: row.name)
-    return Comparison(spec.pp, spec.microbatches, spec.chunks, spec.memory_limit, costs, tuple(rows))
+    spec = replace(spec, costs=spec.cost_model(), refine_seconds=0.0)
+    rows = [row for family in names() if not get(family).composite for row in _family_rows(family, spec, data_parallel)]
+    rows += [*_torch_rows(spec, data_parallel), *_picker_rows(spec, data_parallel)]
+    built = mark_best(mark_frontier([row for row in rows if row.built]), spec.post_validation)
+    refused = sorted((row for row in rows if not row.built), key=lambda row: row.name)
+    built.sort(key=lambda row: (rank_key(row, spec.post_validation), row.name))
+    return Comparison(
+        spec.pp, spec.microbatches, spec.chunks, spec.memory_limit, spec.costs, (*built, *refused), spec.post_validation
+    )
