@@ -26,8 +26,9 @@ from dataclasses import replace
 from ..ir import Schedule, ScheduleError
 from ..placement import Placement, interleaved, v_shape
 from ..registry import ScheduleSpec, build, get, names, register
+from ..timing import EPS
 from .result import Result, timed_schedule
-from .search import Recipe, plan
+from .search import Ceiling, Recipe, ceiling, plan
 from .torch_style import dualpipev_orders, interleaved_zb_orders, zbv_codes
 from .v_blocks import as_passes
 
@@ -56,27 +57,30 @@ def splits_layers(schedule: Schedule, spec: ScheduleSpec) -> bool:
     return spec.layers is None or all(spec.layers % placement.num_stages == 0 for placement in schedule.placements)
 
 
-def _families(spec: ScheduleSpec, refusals: list[str]) -> Iterator[Schedule]:
-    """Every family that keeps one copy of the weights, at each chunk count it takes (its refusal noted instead)."""
+def _builds(spec: ScheduleSpec) -> list[tuple[str, int | None]]:
+    """(family, chunks) of every family that keeps one copy of the weights, at each chunk count it takes;
+    most chunks first (they tend to win, and a good makespan early lets ``ceiling`` refuse the rest)."""
+    builds = []
     for name in names():
         family = get(name)
         if family.composite or family.weight_copies > 1:
             continue
         counts = chunk_counts(spec) if "chunks" in family.options else (spec.chunks,)
-        errors = []
-        for chunks in counts:
-            try:
-                schedule = build(name, replace(spec, chunks=chunks, refine_seconds=0.0), suggest=False)
-            except ScheduleError as error:
-                errors.append(str(error).splitlines()[0])
-                continue
-            if not splits_layers(schedule, spec):
-                errors.append(f"its {schedule.chunks} chunk(s) per rank do not split {spec.layers} layers")
-                continue
-            many = "chunks" in family.options and schedule.chunks > 1
-            yield replace(schedule, name=f"{name}, {schedule.chunks} chunks" if many else name)
-        if errors and len(errors) == len(counts):
-            refusals.append(f"  {name}: {errors[0]}")
+        builds += [(name, chunks) for chunks in counts]
+    return sorted(builds, key=lambda build: -(build[1] or 0))
+
+
+def _family(spec: ScheduleSpec, name: str, chunks: int | None, bound: Ceiling | None) -> Schedule | str:
+    """The family built at ``chunks`` (named for it), or why not; ``bound``: refused unplanned when out of reach."""
+    try:
+        with ceiling(bound):
+            schedule = build(name, replace(spec, chunks=chunks, refine_seconds=0.0), suggest=False)
+    except ScheduleError as error:
+        return str(error).splitlines()[0]
+    if not splits_layers(schedule, spec):
+        return f"its {schedule.chunks} chunk(s) per rank do not split {spec.layers} layers"
+    many = "chunks" in get(name).options and schedule.chunks > 1
+    return replace(schedule, name=f"{name}, {schedule.chunks} chunks" if many else name)
 
 
 def torch_orders(spec: ScheduleSpec) -> Iterator[Schedule]:
@@ -94,13 +98,54 @@ def torch_orders(spec: ScheduleSpec) -> Iterator[Schedule]:
         yield Schedule(label, (interleaved(p, chunks),), m, orders)
 
 
-def _candidates(spec: ScheduleSpec, refusals: list[str]) -> Iterator[Result]:
-    costs = spec.cost_model()
-    for schedule in _families(spec, refusals):
-        yield timed_schedule(schedule, costs)
-    for schedule in torch_orders(spec):
-        if splits_layers(schedule, spec):
-            yield timed_schedule(schedule, costs)
+class _Search:
+    """The candidates in the order that sets a ceiling early, each ranked as if in the listed order
+    (families by name and chunk count, then PyTorch's orders): ``position`` breaks full ties, so the
+    pick is the same whatever order they are built in. A family whose placement cannot beat the best
+    fitting candidate so far on the first key (``time_bound``) is not planned; it could not be picked."""
+
+    def __init__(self, spec: ScheduleSpec):
+        self.spec, self.refusals = spec, []
+        self.position: dict[str, int] = {}
+        self.first: float | None = None  # the best fitting candidate's first key so far
+
+    def candidates(self) -> Iterator[Result]:
+        spec, costs = self.spec, self.spec.cost_model()
+        listed = sorted(_builds(spec), key=lambda build: (build[0], build[1] or 0))
+        for order, schedule in enumerate(torch_orders(spec)):
+            self.position[schedule.name] = len(listed) + order
+            if splits_layers(schedule, spec):
+                yield self._seen(timed_schedule(schedule, costs))
+        errors: dict[tuple[str, int | None], str] = {}
+        for name, chunks in _builds(spec):
+            bound = None if self.first is None else Ceiling(self.first, self.spec.post_validation)
+            made = _family(spec, name, chunks, bound)
+            if isinstance(made, str):
+                errors[name, chunks] = made
+                continue
+            self.position[made.name] = listed.index((name, chunks))
+            yield self._seen(timed_schedule(made, costs))
+        for name in dict.fromkeys(name for name, _ in listed):
+            mine = [errors.get(build) for build in listed if build[0] == name]
+            if all(mine):
+                self.refusals.append(f"  {name}: {mine[0]}")
+
+    def _seen(self, result: Result | None) -> Result | None:
+        limit = self.spec.memory_limit
+        if result is not None and (limit is None or result.peak <= limit + EPS):
+            key = result.stage_span if self.spec.post_validation else result.makespan
+            self.first = key if self.first is None else min(self.first, key)
+        return result
+
+    def rank(self, result: Result) -> tuple:
+        span, makespan, peak = result.score()
+        first = (span, makespan) if self.spec.post_validation else (makespan, span)
+        # on a tie: fewer messages, then the named family over the searches that include it
+        # (v-auto holds zb-v, zb-auto holds zb-2p), then PyTorch's orders (the families start from them)
+        crossings = messages(result.encoding.placements, result.microbatches)
+        family = result.label.split(",")[0]
+        tie = (crossings, family.endswith("-auto"), family.startswith("PyTorch"), self.position[result.label])
+        return (*first, peak, *tie)
 
 
 @register(
@@ -111,26 +156,16 @@ def _candidates(spec: ScheduleSpec, refusals: list[str]) -> Iterator[Result]:
     options=("memory_limit", "chunks"),
 )
 def generate(spec: ScheduleSpec) -> Schedule:
-    refusals: list[str] = []
-
-    def rank(result: Result) -> tuple:
-        span, makespan, peak = result.score()
-        first = (span, makespan) if spec.post_validation else (makespan, span)
-        # on a tie: fewer messages, then the named family over the searches that include it
-        # (v-auto holds zb-v, zb-auto holds zb-2p), then PyTorch's orders (the families start from them)
-        crossings = messages(result.encoding.placements, result.microbatches)
-        family = result.label.split(",")[0]
-        return (*first, peak, crossings, family.endswith("-auto"), family.startswith("PyTorch"))
-
+    search = _Search(spec)
     return plan(
         Recipe(
             "auto",
             spec,
             (),
             spec.memory_limit,
-            seeds=(lambda: _candidates(spec, refusals),),
-            rank=rank,
+            seeds=(search.candidates,),
+            rank=search.rank,
             title=lambda result: f"auto ({result.label})",
-            refusal=lambda: "auto: no schedule can run this setting:\n" + "\n".join(refusals),
+            refusal=lambda: "auto: no schedule can run this setting:\n" + "\n".join(search.refusals),
         )
     )

@@ -25,6 +25,7 @@ times are never "ready") ends with a ScheduleError instead of looping forever.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 from itertools import product
@@ -83,11 +84,37 @@ def greedy_orders(
     limit: float | None,
     switches: Switches = Switches(),
 ) -> Result:
-    """Per-rank orders from the timed list scheduler; ``limit`` None means unlimited."""
+    """Per-rank orders from the timed list scheduler; ``limit`` None means unlimited.
+
+    The limit only enters through the memory checks, so a run is the run of every limit that passes
+    the same checks and fails the same ones: it is kept with that range (``_RUNS``) and served again
+    to a search that asks for another limit in it (v-auto's ladder, zb-v inside v-auto, the unlimited run).
+    """
+    cap = math.inf if limit is None else limit + EPS
+    key = (placement, costs, microbatches, switches)
+    runs = _RUNS.pop(key, [])
+    _RUNS[key] = runs  # most recently used last
+    for loose, tight, result in runs:
+        if loose <= cap and (cap < tight or tight == math.inf):
+            return result
+    run = _Greedy(placement, costs, microbatches, limit, switches)
     try:
-        return _Greedy(placement, costs, microbatches, limit, switches).run()
+        result = run.run()
+        loose, tight = run.loose, run.tight
     except Stalled:
-        return _Greedy(placement, costs, microbatches, limit, switches, strict=True).run()
+        strict = _Greedy(placement, costs, microbatches, limit, switches, strict=True)
+        result = strict.run()
+        loose, tight = max(run.loose, strict.loose), min(run.tight, strict.tight)
+    runs.append((loose, tight, result))
+    while sum(map(len, _RUNS.values())) > RUNS_KEPT:
+        _RUNS.pop(next(iter(_RUNS)))
+    return result
+
+
+RUNS_KEPT = 24  # runs kept for reuse (a run at pp=64, m=512 holds a few MB)
+# per (placement, costs, microbatches, switches): (loose, tight, result): the result of every memory cap
+# c with loose <= c < tight (the most a passed check needed, the least a failed one needed)
+_RUNS: dict[tuple, list[tuple[float, float, Result]]] = {}
 
 
 class Stalled(ScheduleError):
@@ -111,6 +138,7 @@ class _Greedy:
         self.strict = strict
         self.m, self.sw, self.placement = m, switches, placement
         self.limit = float("inf") if limit is None else limit + EPS
+        self.loose, self.tight = -math.inf, math.inf  # what the memory checks needed: passed, failed
         self.comm = costs.t_comm
         self.n = n = placement.num_stages
         self.rank = [placement.rank_of(s) for s in range(n)]
@@ -119,6 +147,14 @@ class _Greedy:
             [model.duration(base + s * m) for s in range(n)] for base in (self.f0, self.b0, self.w0)
         )
         self.df = [model.delta(self.f0 + s * m) for s in range(n)]
+        # per stage: the inputs of its F and B as (role row, T_comm if it crosses ranks else 0)
+        self.f_in, self.b_in = (
+            [
+                tuple((row, self.comm if cross else 0.0) for row, cross in model.passes[base // m + s].inputs)
+                for s in range(n)
+            ]
+            for base in (self.f0, self.b0)
+        )
         p = placement.pp
         self.stages = [[s for s in range(n) if self.rank[s] == r] for r in range(p)]
         # memory a rank reserves when a microbatch enters it: its Fs on the rank's later chunks
@@ -136,10 +172,19 @@ class _Greedy:
         self.steps_left = step_bound(placement, m)
 
     def _f_fits(self, r: int, s: int) -> bool:
+        """Whether the F fits the limit; records the range of limits that decide alike (``loose``, ``tight``)."""
         first, level = s == self.stages[r][0], self.asap.level[r]
         if self.strict:
-            return not first or level + self.reserved[r] + self.df[s] + self.extra[r] <= self.limit
-        return level + self.df[s] + (self.extra[r] if first else 0.0) <= self.limit
+            if not first:
+                return True
+            need = level + self.reserved[r] + self.df[s] + self.extra[r]
+        else:
+            need = level + self.df[s] + (self.extra[r] if first else 0.0)
+        if need <= self.limit:
+            self.loose = max(self.loose, need)
+            return True
+        self.tight = min(self.tight, need)
+        return False
 
     def run(self) -> Result:
         while True:
@@ -167,42 +212,56 @@ class _Greedy:
                 "times never become ready)"
             )
 
+    def _arrival(self, inputs: tuple[tuple[int, float], ...], k: int) -> float | None:
+        """``Clock.ready`` of the decided clock for a pass of microbatch k with these inputs (inlined: the hot path)."""
+        at, end = 0.0, self.decided.end
+        for row, comm in inputs:
+            arrival = end[row + k]
+            if arrival < 0:
+                return None
+            arrival += comm
+            if arrival > at:
+                at = arrival
+        return at
+
     def _step(self, r: int, t: float) -> None:
-        sw, m, arrival = self.sw, self.m, self.decided.ready
+        sw, m, arrival = self.sw, self.m, self._arrival
+        f_next, b_next, known_f, known_b = self.f_next, self.b_next, self.known_f, self.known_b
         ready_b: tuple[int, int] | None = None
         ready_f: int | None = None
         future_b: list[float] = []
         future: list[float] = []
         unknown: list[float] = []  # lower bounds of arrivals whose producer has not run yet
         memory_blocked = False
+        soon = t + EPS
         for s in self.stages[r]:
-            k = self.b_next[s]
-            if k < self.f_next[s]:
-                a = self.known_b[s]
+            k = b_next[s]
+            if k < f_next[s]:
+                a = known_b[s]
                 if a is None:
-                    a = self.known_b[s] = arrival(self.b0 + s * m + k)  # once known, an arrival stays
+                    a = known_b[s] = arrival(self.b_in[s], k)  # once known, an arrival stays
                 if a is None:
-                    q = self.rank[s + 1]
-                    unknown.append(max(self.now[q], t) + self.tb[s + 1] + self.comm)
-                elif a <= t + EPS:
+                    q = self.now[self.rank[s + 1]]
+                    unknown.append((q if q > t else t) + self.tb[s + 1] + self.comm)
+                elif a <= soon:
                     if ready_b is None or (k, -s) < (ready_b[1], -ready_b[0]):
                         ready_b = (s, k)
                 else:
                     future_b.append(a)
-            k = self.f_next[s]
+            k = f_next[s]
             if k < m:
-                a = self.known_f[s]
+                a = known_f[s]
                 if a is None:
-                    a = self.known_f[s] = arrival(self.f0 + s * m + k)
+                    a = known_f[s] = arrival(self.f_in[s], k)
                 if a is None:
-                    q = self.rank[s - 1]
-                    unknown.append(max(self.now[q], t) + self.tf[s - 1] + self.comm)
+                    q = self.now[self.rank[s - 1]]
+                    unknown.append((q if q > t else t) + self.tf[s - 1] + self.comm)
                 elif not self._f_fits(r, s):
-                    if a <= t + EPS:
+                    if a <= soon:
                         memory_blocked = True
                     else:
                         future.append(a)  # by then a W may have to make room
-                elif a <= t + EPS:
+                elif a <= soon:
                     if ready_f is None or (s > ready_f) == sw.depth_first:
                         ready_f = s
                 else:
@@ -212,7 +271,7 @@ class _Greedy:
         if ready_b is not None and (sw.prefer_b or ready_f is None):
             return self._run(r, t, self.b0 + ready_b[0] * m + ready_b[1])
         if ready_f is not None and not (sw.protect_b and ready_b is None and next_b < t + self.tf[ready_f] - EPS):
-            return self._run(r, t, self.f0 + ready_f * m + self.f_next[ready_f])
+            return self._run(r, t, self.f0 + ready_f * m + f_next[ready_f])
         if self.pending[r]:
             s = self.pending[r][0][0]
             fits = not (sw.protect_b and next_b < t + self.tw[s] - EPS)

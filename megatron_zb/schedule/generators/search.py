@@ -14,11 +14,13 @@ makespan, then peak memory, unless the recipe ranks otherwise (``auto``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..costs import CostModel
-from ..ir import Schedule, ScheduleError
+from ..ir import Pass, PassKind, Schedule, ScheduleError
 from ..placement import Placement
 from ..registry import ScheduleSpec
 from ..timing import EPS
@@ -73,9 +75,72 @@ def best(recipe: Recipe) -> Result:
     return found
 
 
+@dataclass(frozen=True)
+class Ceiling:
+    """What a caller comparing whole schedules (``auto``) still needs: a makespan (or with ``span`` a
+    stage span) at most ``value``. A recipe whose placement cannot get there is refused unplanned.
+
+    Only the outermost ``plan`` of a build is checked, and its recipe's placement is the schedule's:
+    the recipes planned inside it (seeds, other families) are not whole schedules for the caller."""
+
+    value: float
+    span: bool = False
+
+
+_CEILING: ContextVar[Ceiling | None] = ContextVar("ceiling", default=None)
+
+
+@contextmanager
+def ceiling(limit: Ceiling | None) -> Iterator[None]:
+    """Within the block the outermost ``plan`` raises ``Unreachable`` if its bound is over ``limit``."""
+    token = _CEILING.set(limit)
+    try:
+        yield
+    finally:
+        _CEILING.reset(token)
+
+
+class Unreachable(ScheduleError):
+    """The recipe's placement cannot meet the caller's ceiling (``time_bound``): it was not planned."""
+
+
+def time_bound(costs: CostModel, placement: Placement, microbatches: int, span: bool = False) -> float:
+    """No schedule on the placement has a shorter makespan (``span``: stage span).
+
+    A rank's passes take its work; with the makespan, its first pass, an F, also waits for the
+    Fs of every block before its first (the first pass of all is an F of block 0), and T_comm
+    per rank crossing between them.
+    """
+    kinds = (PassKind.F, PassKind.B, PassKind.W)
+    work, first = [0.0] * placement.pp, [-1.0] * placement.pp
+    reach = 0.0  # when block b's first F can start, after block 0's
+    for block in range(placement.num_stages):
+        rank = placement.rank_of(block)
+        if first[rank] < 0:
+            first[rank] = reach
+        work[rank] += microbatches * sum(costs.duration(Pass(kind, block, 0), placement) for kind in kinds)
+        reach += costs.duration(Pass(PassKind.F, block, 0), placement)
+        if block + 1 < placement.num_stages and placement.rank_of(block + 1) != rank:
+            reach += costs.t_comm
+    return max(w + (0.0 if span else f) for w, f in zip(work, first, strict=True))
+
+
+def check_ceiling(name: str, spec: ScheduleSpec, placements: tuple[Placement, ...]) -> None:
+    """Raise ``Unreachable`` when a ``ceiling`` is set and the placement cannot meet it (before any work)."""
+    limit = _CEILING.get()
+    if limit is None or len(placements) != 1:
+        return
+    bound = time_bound(spec.cost_model(), placements[0], spec.microbatches, limit.span)
+    if bound > limit.value + 1e-6 * abs(limit.value) + 1e-6:
+        what = "stage span" if limit.span else "makespan"
+        raise Unreachable(f"{name}: no {what} under {limit.value:g} on this placement (at least {bound:g})")
+
+
 def plan(recipe: Recipe) -> Schedule:
-    """``best`` as a schedule, refined by the solver if asked."""
-    found = best(recipe)
+    """``best`` as a schedule, refined by the solver if asked (refused first if a ``ceiling`` is out of reach)."""
+    check_ceiling(recipe.name, recipe.spec, recipe.placements)
+    with ceiling(None):  # the recipes it plans inside are not whole schedules for the caller
+        found = best(recipe)
     spec, orders = recipe.spec, tuple(map(tuple, found.orders))
     name = recipe.title(found) if recipe.title else recipe.name
     schedule = Schedule(name, found.encoding.placements, spec.microbatches, orders, recipe.shared)

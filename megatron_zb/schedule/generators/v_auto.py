@@ -30,7 +30,17 @@ from ..timing import EPS
 from .budget import BUDGET
 from .greedy import Switches, greedy_orders, min_memory_limit
 from .result import Result, encoding_of, model_of
-from .search import Planner, Recipe, best, checked_limit, eval_microbatches, greedy_planners, plan, uniform
+from .search import (
+    Planner,
+    Recipe,
+    best,
+    check_ceiling,
+    checked_limit,
+    eval_microbatches,
+    greedy_planners,
+    plan,
+    uniform,
+)
 from .torch_style import dualpipev_orders
 from .v_family import (
     V_SWITCHES,
@@ -138,6 +148,7 @@ def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     v_spec("v-auto", spec)
     placement, limit, m = v_shape(spec.pp), spec.memory_limit, spec.microbatches
     costs = checked_limit("v-auto", spec, placement, limit)
+    check_ceiling("v-auto", spec, (placement,))  # before the list scheduler's first run
     m_eval = eval_microbatches(m, placement)
     lean = m >= 2 * spec.pp and uniform(costs)
     below = lowest_block_peak(spec.pp, costs) if lean else math.inf

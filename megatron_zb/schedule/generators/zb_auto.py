@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import lru_cache
 
 from ..ir import Schedule, ScheduleError
 from ..placement import interleaved, linear
@@ -29,6 +30,25 @@ HANDMADE = {"1f1b": one_f_one_b.rank_order, "zb-h1": zb_h1.rank_order, "zb-h2": 
 
 
 def zb_auto(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
+    """The search under ``limit``, planned once per setting and limit: zb-auto at 1f1b's memory is zb-1p
+    (``auto`` builds both), so the second takes the first's orders under its own name."""
+    search = _search if spec.refine_seconds > 0 else _zb_auto  # the solver's refinement is timed: never kept
+    try:
+        return replace(search(_ANY, replace(spec, memory_limit=None), limit), name=name)
+    except ScheduleError as error:
+        error.args = tuple(str(arg).replace(_ANY, name) for arg in error.args)  # the caller's name in the message
+        raise
+
+
+_ANY = "<zb-auto search>"  # the name the shared search plans under
+
+
+@lru_cache(maxsize=8)
+def _zb_auto(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
+    return _search(name, spec, limit)
+
+
+def _search(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
     if spec.chunks is not None and spec.chunks > 1:
         placement = interleaved(spec.pp, spec.chunks)
         return plan(searched(name, spec, placement, limit, interleaved_seeds(name, spec)))
