@@ -58,6 +58,8 @@ AUTOMATIC = [("zb-1p", None), ("zb-2p", None), ("zb-v", None), ("v-half", None),
 # stages (halved for a chunk; zbv_greedy's order does not depend on it); every order was timed by our simulator
 # on the true per-stage costs. Picking among the reference's settings (zb.py's 8, zbv.py's 4) by its own timing,
 # as it does, or by our simulator gives the same numbers. Their zb-2p peaks at 15.4-16 (pp=8), 30.6-32 (pp=16).
+# scripts/bench_vs_reference.py's converter (reference_schedule, --planning-cost mean) reproduces the entries it was
+# checked on to 1e-6 (A 8/24, B 16/48, E 8/24, G 8/32: all five schedules).
 REFERENCE: dict[tuple[str, int, int], dict[str, float]] = {
     ("A", 8, 24): {"zb-1p": 0.158520, "zb-2p": 0.043310, "zb-v": 0.070271, "v-half": 0.170151, "v-min": 0.335264},
     ("A", 8, 32): {"zb-1p": 0.123796, "zb-2p": 0.003634, "zb-v": 0.053645, "v-half": 0.133283, "v-min": 0.308900},

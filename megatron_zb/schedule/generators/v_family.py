@@ -10,9 +10,10 @@ rank holds one early and one late block and memory is balanced across ranks.
   the empty slots. The block squeezed in warm-up and cool-down (v_squeeze.py) and the list
   scheduler, capped at the block's peak, join as candidates; the best is kept.
 - zb-v plans at 1f1b's peak memory with the round heuristic of the ZB paper's ZB-V
-  (zbv_rounds.py) and the list scheduler, seeded with the PyTorch-style ZB-V order: about
-  zero bubble for m >= 2pp. On large settings the rounds and the seed are planned for fewer
-  microbatches and their steady state stretched (extend.py).
+  (zbv_rounds.py) and the list scheduler, seeded with the PyTorch-style ZB-V order and, with
+  unequal stages, the rounds planned at the median stage costs: about zero bubble for
+  m >= 2pp. On large settings the rounds and the seed are planned for fewer microbatches and
+  their steady state stretched (extend.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from ..registry import ScheduleSpec, register
 from ..simulate import memory_levels
 from .extend import stretched
 from .greedy import ALL_SWITCHES
-from .result import Result
+from .result import Result, timed_codes
 from .search import Planner, Recipe, eval_microbatches, plan, searched
 from .torch_style import zbv_codes
 from .v_blocks import PERIOD, as_passes, chunk_codes, plain_peak, repeated
 from .v_squeeze import squeezed_codes
-from .zbv_rounds import V_ROUND_SWITCHES, RoundRuns
+from .zbv_rounds import V_ROUND_SWITCHES, RoundRuns, flat
 
 V_SWITCHES = tuple(s for s in ALL_SWITCHES if s.depth_first)  # breadth-first never won on the V
 
@@ -107,13 +108,35 @@ def v_round_planners(costs: CostModel, limit: float | None) -> list[Planner]:
     return [(lambda m, s=setting: stretched(lambda n: runs(n, s), placement, costs, m)) for setting in V_ROUND_SWITCHES]
 
 
+def flat_round_result(costs: CostModel, limit: float | None, m: int) -> Result | None:
+    """The ZB-V rounds planned with every stage at the median costs (zbv_rounds.py), the switch setting whose
+    plan is best by that plan's own timing, timed on the true costs. None when the stages' times are equal
+    (the rounds then plan the same), when no setting plans, and on large settings: there the warm-up and
+    the cool-down it improves weigh little, and it would add a tenth to zb-v's planning time."""
+    planned, placement = flat(costs), v_shape(costs.pp)
+    if planned == costs or eval_microbatches(m, placement) < m:
+        return None
+    runs, chosen = RoundRuns(planned, limit), None
+    for setting in V_ROUND_SWITCHES:
+        try:
+            score = runs(m, setting).score()
+        except ScheduleError:
+            continue
+        if chosen is None or score < chosen[0]:
+            chosen = (score, setting)
+    if chosen is None:
+        return None
+    return timed_codes(runs(m, chosen[1]).codes, placement, costs, m)
+
+
 def zb_v(spec: ScheduleSpec) -> Recipe:
     """The ZB-V rounds and the list scheduler at 1f1b's peak, seeded with the PyTorch-style ZB-V order."""
     v_spec("zb-v", spec)
     limit, p, costs = one_f_one_b_peak(spec), spec.pp, spec.cost_model()
     planners = v_round_planners(costs, limit)
     seed = stretched(lambda n: zbv_codes(p, n), v_shape(p), costs, spec.microbatches)
-    return searched("zb-v", spec, v_shape(p), limit, [seed] if seed else [], planners, V_SWITCHES, lean=True)
+    seeds = [found for found in (seed, flat_round_result(costs, limit, spec.microbatches)) if found is not None]
+    return searched("zb-v", spec, v_shape(p), limit, seeds, planners, V_SWITCHES, lean=True)
 
 
 @register("v-min", "V-shape building block at about a third of 1f1b's memory (pp/3+1 stages)")
