@@ -77,6 +77,10 @@ MODEL = _group(
     Flag("--rotary-base", type=int, default=10000, range=COUNT, why="RoPE's wavelength base; Llama 3 uses 500000"),
     Flag("--use-rope-scaling", "rope: Llama 3.x's frequency scaling", switch=True),
     Flag("--rope-scaling-factor", type=float, default=8.0, range=POSITIVE),
+    Flag("--mtp-num-layers", "multi-token prediction layers after the last (DeepSeek-V3); none: no MTP", type=int,
+         range=COUNT),
+    Flag("--mtp-loss-scaling-factor", "the MTP loss's weight in the training loss", type=float, default=0.1,
+         range=NON_NEGATIVE),
     # initialisation, dropout, precision
     Flag("--init-method-std", type=float, default=0.02, range=NON_NEGATIVE),
     Flag("--hidden-dropout", type=float, default=0.1, range=PROBABILITY, why="0 turns dropout off"),

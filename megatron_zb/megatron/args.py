@@ -153,6 +153,8 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
     fixed = getattr(args, "zero_bubble_block_layers", None) is not None  # by megatron_mapping.prepare_args
     if not fixed and (not layout or foreign_placement(schedule.placement) is not None):  # else validate_args checks
         check_layers(args.num_layers, schedule, pad, *(getattr(args, field, None) for field in ENDS))
+    if getattr(args, "mtp_num_layers", None) and len(schedule.placements) > 1:
+        raise ValueError(MTP_TWO_PIPES.format(name=name, pipes=len(schedule.placements)))
     if schedule.shared and post_validation:
         raise ValueError(
             f"--pipeline-schedule {name} keeps two copies of each block, whose gradients are summed inside the "
@@ -356,12 +358,17 @@ CONTEXT_PARALLEL_REFUSED = (
 )
 
 
+MTP_TWO_PIPES = (
+    "--pipeline-schedule {name} runs {pipes} pipes, each with its own copy of the loss block: multi-token "
+    "prediction (--mtp-num-layers) keeps its embedding copy and layers there, and two copies of them are not "
+    "supported yet; one-pipe schedules (zb-1p, zb-2p, interleaved zb, zb-v, v-auto) run it"
+)
+
+
 def _refuse_unsupported_models(args: argparse.Namespace) -> None:
     cp = getattr(args, "context_parallel_size", 1) or 1
     if cp > 1:
         raise ValueError(CONTEXT_PARALLEL_REFUSED.format(size=cp))
-    if getattr(args, "mtp_num_layers", None):
-        raise ValueError("megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet")
     if is_encoder_and_decoder(args):
         raise ValueError(
             "megatron-zb schedules run decoder-only models (GPT); encoder-decoder models (--encoder-num-layers "

@@ -81,7 +81,8 @@ def build_gpt_chunks(
     _check_rank(placement, rank)
     use_placement_layout(config, placement)
     tied = share_embeddings_and_output_weights
-    if tied:
+    copies = tied or bool(getattr(config, "mtp_num_layers", None))  # MTP keeps an embedding copy with the loss
+    if copies:
         _check_tied_placement(placement)
         _check_embedding_group(placement)
     spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
@@ -90,10 +91,11 @@ def build_gpt_chunks(
     for index in range(placement.chunks):
         block = placement.stage_of(rank, placement.chunk_base + index)
         vp_stage = index if placement.chunks > 1 else None
+        chunk_spec = _spec_for(spec, config, vp_stage)
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=_spec_for(spec, config, vp_stage),
+                transformer_layer_spec=chunk_spec,
                 vocab_size=vocab_size,
                 max_sequence_length=max_sequence_length,
                 pre_process=block == 0,
@@ -101,12 +103,33 @@ def build_gpt_chunks(
                 share_embeddings_and_output_weights=tied,
                 position_embedding_type=position_embedding_type,
                 vp_stage=vp_stage,
+                mtp_block_spec=mtp_block_spec(config, chunk_spec, vp_stage) if block == last else None,
                 **gpt_kwargs,
             )
         )
-    if tied:
+    if copies:
         tie_local_copies(chunks, placement, rank)
     return chunks
+
+
+def mtp_block_spec(config, chunk_spec, vp_stage: int | None):
+    """megatron-core's multi-token prediction block for the loss chunk (None without ``mtp_num_layers``).
+
+    Its layer is the chunk's last decoder layer (dense or MoE), as Megatron-LM's gpt_builders takes it;
+    megatron-core finds the MTP layers in the layout (ours puts them in the last block) or, without
+    one, on the last stage.
+    """
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if isinstance(chunk_spec, TransformerBlockSubmodules) and not chunk_spec.layer_specs:
+        raise ValueError(
+            "multi-token prediction takes its layer from the loss block's last decoder layer, and this loss block "
+            "has none; give the last block decoder layers (no padding of the loss block)"
+        )
+    return get_gpt_mtp_block_spec(config, chunk_spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def build_pipes(config, placements: tuple[Placement, ...], rank: int, shared=(), **kwargs) -> list:
@@ -221,8 +244,9 @@ def use_placement_layout(config, placement: Placement) -> None:
         )
     from .parsed_args import megatron_lm_args
 
-    layout = PlacementLayerLayout(placement, block_layers(megatron_lm_args(), config.num_layers, placement))
-    layout.validate_layer_layout(config.num_layers, getattr(config, "mtp_num_layers", None))
+    mtp = getattr(config, "mtp_num_layers", None)
+    layout = PlacementLayerLayout(placement, block_layers(megatron_lm_args(), config.num_layers, placement), mtp or 0)
+    layout.validate_layer_layout(config.num_layers, mtp)
     config.pipeline_model_parallel_layout = layout
 
 
@@ -263,7 +287,8 @@ def _check_embedding_group(placement: Placement) -> None:
 
 
 def tie_local_copies(chunks: list, placement: Placement, rank: int) -> None:
-    """Both copies on this rank (V): the output copy starts as the embedding, as megatron's all-reduce would do."""
+    """Both copies on this rank (V): the output (or MTP) copy starts as the embedding, as megatron's all-reduce
+    would do."""
     pair = _local_copies(chunks, placement, rank)
     if pair is None:
         return
@@ -281,6 +306,8 @@ def _local_copies(chunks: list, placement: Placement, rank: int) -> tuple | None
     if first is None or last is None or first == last:
         return None
     embedding_model, output_model = unwrapped(chunks[first]), unwrapped(chunks[last])
+    if getattr(output_model, "mtp_process", False):  # MTP's embedding copy (the output layer's too when tied)
+        return embedding_model.embedding.word_embeddings.weight, output_model.embedding.word_embeddings.weight
     if not getattr(output_model, "share_embeddings_and_output_weights", False):
         return None
     return embedding_model.embedding.word_embeddings.weight, output_model.output_layer.weight

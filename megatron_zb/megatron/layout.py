@@ -15,7 +15,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from ..schedule.placement import Placement
 from .layer_split import layers_per_block
 
-_CHARS = {LayerType.embedding: "E", LayerType.decoder: "t", LayerType.loss: "L"}
+_CHARS = {LayerType.embedding: "E", LayerType.decoder: "t", LayerType.mtp: "m", LayerType.loss: "L"}
 
 
 class PlacementLayerLayout(PipelineParallelLayerLayout):
@@ -23,10 +23,12 @@ class PlacementLayerLayout(PipelineParallelLayerLayout):
 
     ``layout[pp_rank][vp_stage]`` holds the layer types of the block on (rank, chunk) and
     ``flatten_layout`` lists every block in layer order (embedding first, loss last), as the
-    base class keeps them; only the (rank, vp stage) -> block mapping differs.
+    base class keeps them; only the (rank, vp stage) -> block mapping differs. Multi-token
+    prediction layers (``mtp_layers``) sit in the last block, before the loss, where megatron-core
+    builds them (``mtp_on_this_rank`` reads this layout): under V that is rank 0's second chunk.
     """
 
-    def __init__(self, placement: Placement, layers: list[int]):
+    def __init__(self, placement: Placement, layers: list[int], mtp_layers: int = 0):
         if len(layers) != placement.num_stages or any(count < 0 for count in layers):
             raise ValueError(
                 f"need a non-negative decoder layer count for each of the {placement.num_stages} blocks "
@@ -35,8 +37,12 @@ class PlacementLayerLayout(PipelineParallelLayerLayout):
         last = placement.num_stages - 1
         self.placement = placement
         self.layers = tuple(layers)
+        self.mtp_layers = mtp_layers
         self.blocks = [
-            [LayerType.embedding] * (block == 0) + [LayerType.decoder] * count + [LayerType.loss] * (block == last)
+            [LayerType.embedding] * (block == 0)
+            + [LayerType.decoder] * count
+            + [LayerType.mtp] * (mtp_layers if block == last else 0)
+            + [LayerType.loss] * (block == last)
             for block, count in enumerate(layers)
         ]
         base = placement.chunk_base
@@ -75,10 +81,10 @@ class PlacementLayerLayout(PipelineParallelLayerLayout):
         return sum(earlier.count(layer_type) for earlier in self.blocks[:block])
 
     def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None) -> bool:
-        if mtp_num_layers:
+        if (mtp_num_layers or 0) != self.mtp_layers:
             raise ValueError(
-                "multi-token prediction (mtp_num_layers) is not supported with a placement layout; "
-                "unset --mtp-num-layers"
+                f"the {self.placement.kind} layout places {self.mtp_layers} multi-token prediction layers but "
+                f"--mtp-num-layers is {mtp_num_layers}; build it with layer_layout(..., mtp_layers={mtp_num_layers})"
             )
         if sum(self.layers) != num_layers:
             raise ValueError(
@@ -88,6 +94,8 @@ class PlacementLayerLayout(PipelineParallelLayerLayout):
         return super().validate_layer_layout(num_layers, mtp_num_layers)
 
 
-def layer_layout(num_layers: int, placement: Placement, pad: bool = False) -> PlacementLayerLayout:
+def layer_layout(
+    num_layers: int, placement: Placement, pad: bool = False, mtp_layers: int | None = None
+) -> PlacementLayerLayout:
     """The layout to set as ``TransformerConfig.pipeline_model_parallel_layout`` for ``placement``."""
-    return PlacementLayerLayout(placement, layers_per_block(num_layers, placement, pad))
+    return PlacementLayerLayout(placement, layers_per_block(num_layers, placement, pad), mtp_layers or 0)

@@ -17,6 +17,11 @@ Megatron-LM's code the placement's answers:
   load data (V: both chunks of rank 0).
 - ``get_batch_on_this_tp_rank``: every tensor is broadcast over the tensor-parallel ranks (the
   pipeline-first rule would drop the labels that rank 0's loss chunk needs).
+- ``mtp_on_this_rank`` and ``get_mtp_num_layers_to_build`` (multi-token prediction): the chunk with the
+  last block builds the MTP layers (the chunk's layout says so once set; pretrain_gpt and gpt_builders
+  ask with a fresh config that has none).
+- ``MTPLossLoggingHelper.track_mtp_metrics``: the MTP losses, tracked where the loss chunk runs (V:
+  rank 0), are summed over the pipeline first, so that the last rank, which logs, has them.
 - ``prepare_chunks`` (before the optimizer is built): the output copy of a tied embedding starts
   as the embedding, and ``Float16Module`` casts on the embedding and the loss chunk.
 - ``finalize_model_grads`` (Megatron-LM's): the two local copies' gradients are summed.
@@ -46,6 +51,11 @@ def install() -> None:
 
     patching.hook(GPTModel, "__init__", _gpt_model_init)
     patching.hook(parallel_state, "initialize_model_parallel", _initialize_model_parallel)
+    from megatron.core.transformer import multi_token_prediction
+
+    patching.hook(multi_token_prediction, "mtp_on_this_rank", _mtp_stage, everywhere=True)
+    patching.hook(multi_token_prediction, "get_mtp_num_layers_to_build", _mtp_layers, everywhere=True)
+    patching.hook(multi_token_prediction.MTPLossLoggingHelper, "track_mtp_metrics", _mtp_metrics)
     if "megatron.training" not in sys.modules:
         return
     owners = [sys.modules.get("megatron.training.utils"), sys.modules.get("megatron.core.utils")]
@@ -134,6 +144,101 @@ def _data_stage(original: Callable) -> Callable:
         return block in (0, placement.num_stages - 1)
 
     return is_first_or_last_pipeline_stage
+
+
+def _mtp_stage(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def mtp_on_this_rank(*args, **kwargs):
+        from .gpt_model import pipeline_rank
+
+        placement = active_placement()
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        vp_stage = arguments.get("vp_stage")
+        if placement is None or vp_stage is None or arguments.get("ignore_virtual", True):
+            return original(*bound.args, **bound.kwargs)
+        config = arguments.get("config")  # megatron-core 0.16; 0.19 passes mtp_num_layers itself
+        layers = getattr(config, "mtp_num_layers", None) if config is not None else arguments.get("mtp_num_layers")
+        return bool(layers) and _last_block(placement, vp_stage, pipeline_rank(None))
+
+    return mtp_on_this_rank
+
+
+def _mtp_layers(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_mtp_num_layers_to_build(*args, **kwargs):
+        from .layout import PlacementLayerLayout
+
+        placement = active_placement()
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        config, vp_stage = bound.arguments["config"], bound.arguments.get("vp_stage")
+        own = isinstance(getattr(config, "pipeline_model_parallel_layout", None), PlacementLayerLayout)
+        if placement is None or vp_stage is None or own:
+            return original(*bound.args, **bound.kwargs)
+        rank = bound.arguments.get("pp_rank")
+        if rank is None:
+            from .gpt_model import pipeline_rank
+
+            rank = pipeline_rank(None)
+        return (config.mtp_num_layers or 0) if _last_block(placement, vp_stage, rank) else 0
+
+    return get_mtp_num_layers_to_build
+
+
+def _last_block(placement: Placement, vp_stage: int, rank: int) -> bool:
+    return placement.stage_of(rank, placement.chunk_base + vp_stage) == placement.num_stages - 1
+
+
+_last_mtp_losses: list[float] = []
+
+
+def _mtp_metrics(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def track_mtp_metrics(*args, **kwargs):
+        placement = active_placement()
+        if placement is not None and placement.rank_of(placement.num_stages - 1) != placement.pp - 1:
+            gather_mtp_tracker(megatron_lm_args().mtp_num_layers)
+        bound = signature.bind(*args, **kwargs)
+        total = bound.arguments.get("total_loss_dict")
+        bound.arguments["total_loss_dict"] = mine = {}  # this iteration's alone, added to Megatron-LM's below
+        result = original(*bound.args, **bound.kwargs)
+        for name, loss in mine.items():
+            if total is not None:
+                total[name] = total[name] + loss if name in total else loss
+        _last_mtp_losses[:] = [float(loss) for name, loss in mine.items() if name.endswith(" loss")]  # layer order
+        return result
+
+    return track_mtp_metrics
+
+
+def last_mtp_losses() -> list[float] | None:
+    """The MTP losses (one per layer) Megatron-LM's training_log logged last, None before any."""
+    return list(_last_mtp_losses) or None
+
+
+def gather_mtp_tracker(layers: int) -> None:
+    """Sum megatron-core's MTP tracker over the pipeline ranks (every rank calls it; only one holds values)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    metrics = hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker")  # 0.19: losses, correct and total counts
+    for key in ("loss_values", "correct_values", "total_values") if metrics else ("values",):
+        if key not in tracker:
+            tracker[key] = torch.zeros(layers, device=torch.cuda.current_device())
+        dist.all_reduce(tracker[key], group=parallel_state.get_pipeline_model_parallel_group())
+    if tracker.get("avg_group") is None:  # the loss chunk's rank averages over data parallelism: so does this one
+        tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _tp_batch(original: Callable) -> Callable:

@@ -89,7 +89,10 @@ def _write_metrics(training, path: str) -> None:
     original = training.training_log
     if getattr(original, "megatron_zb_metrics", False):
         return
+    from megatron.training import get_args
+
     from ..megatron.install import active_settings
+    from ..megatron.placement_hooks import last_mtp_losses
     from ..training.measured import MetricsWriter
 
     writer = MetricsWriter(path)
@@ -102,6 +105,8 @@ def _write_metrics(training, path: str) -> None:
         loss = loss_dict.get("lm loss") if loss_dict else None
         grad_norm = rest[3] if len(rest) > 3 else kwargs.get("grad_norm")
         skipped = rest[2] if len(rest) > 2 else kwargs.get("skipped_iter")
+        result = original(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
+        mtp = {"mtp_loss": last_mtp_losses()} if getattr(get_args(), "mtp_num_layers", None) else {}
         writer.write(
             iteration,
             None if loss is None else float(loss),
@@ -111,9 +116,10 @@ def _write_metrics(training, path: str) -> None:
             grad_norm=None if grad_norm is None else float(grad_norm),
             learning_rate=None if learning_rate is None else float(learning_rate),
             skipped=bool(skipped),
+            **mtp,  # training_log has just tracked them (Megatron-LM's "mtp_N loss")
         )
         last[0] = now
-        return original(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
+        return result
 
     training_log.megatron_zb_metrics = True
     patching.replace(training, "training_log", training_log, patching.MEGATRON_LM)

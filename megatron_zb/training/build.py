@@ -113,6 +113,8 @@ def _derived_fields(args: argparse.Namespace) -> dict:
         fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     if args.num_experts:
         fields.update(_same_names(args, MOE_ONLY), num_moe_experts=args.num_experts)
+    if getattr(args, "mtp_num_layers", None):
+        fields.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     return fields
 
 
@@ -152,7 +154,9 @@ def _layout(args: argparse.Namespace):
     if len(args.placements) > 1:
         return None  # several pipes: each gets its own layout (build_pipes)
     if not args.placement.megatron_builds or args.allow_padding_num_layers:
-        return layer_layout(args.num_layers, args.placement, args.allow_padding_num_layers)
+        return layer_layout(
+            args.num_layers, args.placement, args.allow_padding_num_layers, getattr(args, "mtp_num_layers", None)
+        )
     return None
 
 

@@ -129,6 +129,16 @@ def check_architecture(args: argparse.Namespace) -> None:
     """
     _check_query_groups(args)
     _check_rotary(args)
+    _check_mtp(args)
+
+
+def _check_mtp(args: argparse.Namespace) -> None:
+    """Multi-token prediction as Megatron-LM's validate_args takes it: its positions must be rope or none."""
+    if getattr(args, "mtp_num_layers", None) and args.position_embedding_type == "learned_absolute":
+        raise ValueError(
+            "--mtp-num-layers with --position-embedding-type learned_absolute: Megatron-LM refuses multi-token "
+            "prediction with learned absolute positions; use --position-embedding-type rope or none"
+        )
 
 
 def _check_query_groups(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ from ..compat import clear_moe_metrics
 from .build import Trainee
 from .collectives import CollectiveRecorder
 from .data import Batches, sources
-from .gpt_step import forward_step, reduce_losses
+from .gpt_step import forward_step, mtp_losses, reduce_losses
 
 log = logging.getLogger("megatron_zb.train")
 
@@ -141,9 +141,11 @@ def _train_step(args: argparse.Namespace, trainee: Trainee, data: Batches, itera
         trainee.scheduler.step(increment=args.global_batch_size)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     reduced = reduce_losses(losses, parallel_state.get_data_parallel_group()) if last else {}
+    mtp = mtp_losses(trainee.config, data.microbatches)
     return {
         "iteration": iteration,
         "loss": reduced.get("lm loss"),
+        "mtp_loss": mtp if last else None,
         "iteration_time_s": time.perf_counter() - started,
         "fb_start": fb_start,
         "fb_end": fb_end,
@@ -317,6 +319,7 @@ class _IterationLog:
             f"learning rate: {row['lr']:.6E}",
             f"global batch size: {self.args.global_batch_size:5d}",
             f"lm loss: {row['loss']:.6E}",
+            *(f"mtp_{layer} loss: {loss:.6E}" for layer, loss in enumerate(row.get("mtp_loss") or (), 1)),
             f"loss scale: {row['loss_scale']:.1f}",
         ]
         if row["grad_norm"] is not None:

@@ -358,8 +358,8 @@ CASES = [
         lambda _: megatron(context_parallel_size=2),
     ),
     (
-        "megatron-zb schedules do not support multi-token prediction (--mtp-num-layers) yet",
-        lambda _: megatron(mtp_num_layers=1),
+        "--pipeline-schedule bitpipe-zb runs 2 pipes, each with its own copy of the loss block",
+        lambda _: megatron(mtp_num_layers=1, pipeline_schedule="bitpipe-zb", enable_zero_bubble=False),
     ),
     (
         "encoder-decoder models (--encoder-num-layers with --decoder-num-layers, as T5) are not supported",

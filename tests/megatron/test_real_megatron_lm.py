@@ -173,6 +173,29 @@ def test_moe_line_under_zb_1p_and_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> 
             assert found["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), (case, iteration)
 
 
+# Multi-token prediction (one MTP layer; megatron-core refuses it with learned absolute positions): under the V the
+# MTP block and its embedding copy sit on rank 0's loss chunk, and Megatron-LM logs its loss from the last rank.
+MTP = f"--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 --position-embedding-type rope {SAME_INIT}"
+
+
+def test_mtp_under_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> None:
+    """The loss, Megatron-LM's "mtp_1 loss" and the grad norm of zb-v equal megatron-core's 1F1B's, iteration by
+    iteration."""
+    rows = {}
+    for case, flags in {"mtp-1f1b": "", "mtp-zb-v": "--zero-bubble-v-schedule"}.items():
+        metrics = tmp / f"{case}.jsonl"
+        done = launch(f"{MTP} {flags}", metrics, "--train-iters", str(ITERATIONS))
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+    reference, found = rows["mtp-1f1b"], rows["mtp-zb-v"]
+    assert sorted(reference) == sorted(found) == list(range(1, ITERATIONS + 1))
+    assert reference[ITERATIONS]["mtp_loss"][0] < reference[1]["mtp_loss"][0]
+    for iteration, row in reference.items():
+        for key in ("loss", "grad_norm"):
+            assert found[iteration][key] == pytest.approx(row[key], rel=1e-5), (key, iteration)
+        assert found[iteration]["mtp_loss"] == pytest.approx(row["mtp_loss"], rel=1e-5), iteration
+
+
 def test_padded_layers_equal_megatron_lms_own_uneven_split(tmp: Path) -> None:
     """--allow-padding-num-layers as the reference implementation's scripts give it (6 layers on pp 4, which
     Megatron-LM's validate_args refuses as such): zb-1p on Megatron-LM's own uneven split (the embedding's and
