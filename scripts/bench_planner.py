@@ -1,6 +1,7 @@
 """Benchmark (not a test): how long planning takes, ours and the reference planner's.
 
     python scripts/bench_planner.py [--repeat 3] [--reference PATH] [--output docs/bench_planner.md]
+    python scripts/bench_planner.py --tables uneven      # one table, printed only
 
 Three tables, each run timed in a fresh process (so no plan cached by an earlier run counts), best of
 --repeat, in CPU seconds of that process (``time.process_time``: other work on a shared machine does not
@@ -291,8 +292,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--reference", help="the zerobubble/scheduler folder of a fetched copy of the reference")
     parser.add_argument("--output", help="also write the tables to this Markdown file")
+    parser.add_argument(
+        "--tables",
+        default="uneven,searched,handmade",
+        help="which tables to run, comma-separated (default: all three; --output needs all three)",
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)  # a timing process: one JSON job
     args = parser.parse_args()
+    chosen = args.tables.split(",")
+    makers = {
+        "uneven": lambda: uneven_table(args.repeat, args.reference),
+        "searched": lambda: searched_table(args.repeat),
+        "handmade": lambda: handmade_table(args.repeat),
+    }
+    if not set(chosen) <= set(makers) or (args.output and set(chosen) != set(makers)):
+        parser.error(f"--tables takes some of {', '.join(makers)} (all three with --output), got {args.tables}")
     if args.job:
         job = json.loads(args.job)
         print(json.dumps(ours(job) if job["side"] == "ours" else reference(job)))
@@ -302,7 +316,7 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.1f} at the "
         f"start, Python {platform.python_version()}."
     )
-    tables = [uneven_table(args.repeat, args.reference), searched_table(args.repeat), handmade_table(args.repeat)]
+    tables = [makers[name]() for name in makers if name in chosen]
     table = "\n\n".join([head, *("\n".join(lines) for lines in tables)])
     print()
     print(table)

@@ -33,7 +33,7 @@ from itertools import product
 from ..costs import CostModel
 from ..ir import PassKind, ScheduleError
 from ..placement import Placement
-from ..timing import EPS, Clock
+from ..timing import EPS
 from .result import Result, model_of
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
@@ -121,9 +121,22 @@ class Stalled(ScheduleError):
     """The list scheduler could not place any pass: the memory admitted could not drain."""
 
 
+def _own_role(writes: tuple[int, ...]) -> int:
+    """The one role row an F, B or W fulfils (the list scheduler places split passes only)."""
+    if len(writes) != 1:
+        raise ScheduleError(f"the list scheduler places passes of one role each, got one fulfilling {len(writes)}")
+    return writes[0]
+
+
 class _Greedy:
-    """The scheduler's state: what each rank knows when it decides (``decided``: the decision times,
-    ``now``: each rank's clock) and the resulting order's as-soon-as-possible times (``asap``)."""
+    """The scheduler's state: what each rank knows when it decides (``dend``: the roles' ends at the
+    decision times, ``now``: each rank's clock) and the resulting order's as-soon-as-possible times
+    (``aend``, per rank ``afree``, ``afirst``, memory ``level`` and ``peak``: ``Clock.place`` inlined).
+
+    Everything the loop reads is a flat list indexed by stage, rank or role row, built once here:
+    the planners run it thousands of passes deep for every switch setting, so ``run`` is one loop
+    over local names (``_step`` of earlier versions, with its calls inlined; the decisions are the same).
+    """
 
     def __init__(
         self,
@@ -135,191 +148,255 @@ class _Greedy:
         strict: bool = False,
     ):
         model = model_of((placement,), m, costs)
-        self.strict = strict
+        self.model, self.strict = model, strict
         self.m, self.sw, self.placement = m, switches, placement
         self.limit = float("inf") if limit is None else limit + EPS
         self.loose, self.tight = -math.inf, math.inf  # what the memory checks needed: passed, failed
-        self.comm = costs.t_comm
+        self.comm = comm = costs.t_comm
         self.n = n = placement.num_stages
         self.rank = [placement.rank_of(s) for s in range(n)]
         self.f0, self.b0, self.w0 = (model.encoding.code(kind, 0, 0) for kind in (F, B, W))  # + s * m + k
-        self.tf, self.tb, self.tw = (
-            [model.duration(base + s * m) for s in range(n)] for base in (self.f0, self.b0, self.w0)
-        )
-        self.df = [model.delta(self.f0 + s * m) for s in range(n)]
-        # per stage: the inputs of its F and B as (role row, T_comm if it crosses ranks else 0)
-        self.f_in, self.b_in = (
+        # per kind (F, B, W), per stage: (inputs as (role row, T_comm if it crosses ranks else 0), the row
+        # of its own role, duration, memory delta), read from the model's facts for (kind, block)
+        self.facts = [
             [
-                tuple((row, self.comm if cross else 0.0) for row, cross in model.passes[base // m + s].inputs)
-                for s in range(n)
+                (
+                    tuple((row, comm if cross else 0.0) for row, cross in facts.inputs),
+                    _own_role(facts.writes),
+                    facts.time,
+                    facts.memory,
+                )
+                for facts in model.passes[base // m : base // m + n]
             ]
-            for base in (self.f0, self.b0)
-        )
+            for base in (self.f0, self.b0, self.w0)
+        ]
+        self.tf, self.tb, self.tw = ([time for _, _, time, _ in per] for per in self.facts)
+        self.df = [memory for _, _, _, memory in self.facts[0]]
         p = placement.pp
         self.stages = [[s for s in range(n) if self.rank[s] == r] for r in range(p)]
         # memory a rank reserves when a microbatch enters it: its Fs on the rank's later chunks
         self.extra = [sum(self.df[s] for s in stages[1:]) for stages in self.stages]
-        self.reserved = [0.0] * p  # strict: later-chunk F memory of the microbatches admitted
-        self.decided, self.asap = Clock(model), Clock(model)
-        self.f_next, self.b_next = [0] * n, [0] * n  # per stage: its next F and B
-        self.known_f: list[float | None] = [None] * n  # their arrivals, once known
-        self.known_b: list[float | None] = [None] * n
-        self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-        self.now = [0.0] * p
-        self.remaining = [3 * m * len(stages) for stages in self.stages]
-        self.sleeping = [False] * p
-        self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
         self.steps_left = step_bound(placement, m)
 
-    def _f_fits(self, r: int, s: int) -> bool:
-        """Whether the F fits the limit; records the range of limits that decide alike (``loose``, ``tight``)."""
-        first, level = s == self.stages[r][0], self.asap.level[r]
-        if self.strict:
-            if not first:
-                return True
-            need = level + self.reserved[r] + self.df[s] + self.extra[r]
-        else:
-            need = level + self.df[s] + (self.extra[r] if first else 0.0)
-        if need <= self.limit:
-            self.loose = max(self.loose, need)
-            return True
-        self.tight = min(self.tight, need)
-        return False
-
     def run(self) -> Result:
+        """Place every pass; raises ``Stalled`` when memory admitted cannot drain."""
+        sw, m, n, comm, limit, strict = self.sw, self.m, self.n, self.comm, self.limit, self.strict
+        rank, stages, extra, df = self.rank, self.stages, self.extra, self.df
+        tf, tb, tw = self.tf, self.tb, self.tw
+        f_facts, b_facts, w_facts = self.facts
+        f0, b0, w0 = self.f0, self.b0, self.w0
+        prefer_b, protect_b, fill_fit, depth_first = sw.prefer_b, sw.protect_b, sw.fill_fit, sw.depth_first
+        p = len(stages)
+        first_stage = [chunks[0] for chunks in stages]
+        # per rank, per stage it holds: (stage, inputs of its B, of its F, whether it is the rank's first, F memory)
+        lanes = [[(s, b_facts[s][0], f_facts[s][0], s == chunks[0], df[s]) for s in chunks] for chunks in stages]
+        inf = math.inf
+        heappush, heappop = heapq.heappush, heapq.heappop
+        loose, tight, steps_left = self.loose, self.tight, self.steps_left
+        # the decisions: roles' ends at decision time; per stage its next F and B and their arrivals once known
+        dend = [-1.0] * self.model.roles
+        f_next, b_next = [0] * n, [0] * n
+        # their arrivals once known (None: not asked yet; -1 - i below 0: waiting for role i to end)
+        known_f: list[float | None] = [None] * n
+        known_b: list[float | None] = [None] * n
+        reserved = [0.0] * p  # strict: later-chunk F memory of the microbatches admitted
+        pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+        now, sleeping = [0.0] * p, [False] * p
+        remaining = [3 * m * len(chunks) for chunks in stages]
+        heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
+        # the order's as-soon-as-possible times (what the result reports)
+        aend = [-1.0] * self.model.roles
+        afree, afirst, level, peak = [0.0] * p, [-1.0] * p, [0.0] * p, [0.0] * p
+        orders: list[list[int]] = [[] for _ in range(p)]
+
         while True:
-            while self.heap:
-                t, r = heapq.heappop(self.heap)
-                self._count_step()
-                self._step(r, t)
-            held = [r for r in range(len(self.now)) if self.remaining[r] and self.pending[r]]
+            while heap:
+                t, r = heappop(heap)
+                steps_left -= 1
+                if steps_left < 0:
+                    self.steps_left = steps_left
+                    self._count_step()
+                ready_b = ready_bk = ready_f = -1
+                next_b = next_f = inf  # the earliest arrival of a B, of an F, after t
+                memory_blocked = unknown = False  # unknown: an arrival whose producer has not run yet
+                soon = t + EPS
+                level_r = level[r]
+                for s, b_in, f_in, head, grows in lanes[r]:
+                    k, kf = b_next[s], f_next[s]
+                    if k < kf:
+                        a = known_b[s]
+                        if a is None or (a < 0 and dend[-1 - a] >= 0):
+                            a = 0.0
+                            for row, c in b_in:
+                                e = dend[row + k]
+                                if e < 0:
+                                    a = -1 - row - k  # waiting for this role
+                                    break
+                                e += c
+                                if e > a:
+                                    a = e
+                            known_b[s] = a  # once known, an arrival stays
+                        if a < 0:
+                            unknown = True
+                        elif a <= soon:
+                            if ready_b < 0 or k <= ready_bk:  # the oldest microbatch, then the deepest stage
+                                ready_b, ready_bk = s, k
+                        elif a < next_b:
+                            next_b = a
+                    if kf < m:
+                        k = kf
+                        a = known_f[s]
+                        if a is None or (a < 0 and dend[-1 - a] >= 0):
+                            a = 0.0
+                            for row, c in f_in:
+                                e = dend[row + k]
+                                if e < 0:
+                                    a = -1 - row - k  # waiting for this role
+                                    break
+                                e += c
+                                if e > a:
+                                    a = e
+                            known_f[s] = a
+                        if a < 0:
+                            unknown = True
+                            continue
+                        # whether the F fits the limit, recording the range of limits that decide alike
+                        if head:
+                            if strict:
+                                need = level_r + reserved[r] + grows + extra[r]
+                            else:
+                                need = level_r + grows + extra[r]
+                        elif strict:
+                            need = -inf  # a later chunk's F: its memory was reserved on admission
+                        else:
+                            need = level_r + grows + 0.0
+                        if need <= limit:
+                            if need > loose:
+                                loose = need
+                            if a <= soon:
+                                if ready_f < 0 or depth_first:
+                                    ready_f = s
+                            elif a < next_f:
+                                next_f = a
+                        else:
+                            if need < tight:
+                                tight = need
+                            if a <= soon:
+                                memory_blocked = True
+                            elif a < next_f:
+                                next_f = a  # by then a W may have to make room
+                future = next_f if next_f < next_b else next_b
+                if ready_b >= 0 and (prefer_b or ready_f < 0):
+                    s, k, kind, code = ready_b, ready_bk, b_facts, b0 + ready_b * m + ready_bk
+                elif ready_f >= 0 and not (protect_b and ready_b < 0 and next_b < t + tf[ready_f] - EPS):
+                    s = ready_f
+                    k, kind = f_next[s], f_facts
+                    code = f0 + s * m + k
+                else:
+                    kind = None
+                    if pending[r]:
+                        s = pending[r][0][0]
+                        fits = not (protect_b and next_b < t + tw[s] - EPS)
+                        if fill_fit and fits and not memory_blocked:
+                            gap = future
+                            if unknown:  # lower bounds of the arrivals not known yet
+                                for s in stages[r]:
+                                    if b_next[s] < f_next[s] and known_b[s] < 0:
+                                        q = now[rank[s + 1]]
+                                        a = (q if q > t else t) + tb[s + 1] + comm
+                                        if a < gap:
+                                            gap = a
+                                    if f_next[s] < m and known_f[s] < 0:
+                                        q = now[rank[s - 1]]
+                                        a = (q if q > t else t) + tf[s - 1] + comm
+                                        if a < gap:
+                                            gap = a
+                                s = pending[r][0][0]
+                            fits = gap - t >= tw[s] - EPS
+                        if memory_blocked or fits:
+                            s, k = pending[r].popleft()
+                            kind, code = w_facts, w0 + s * m + k
+                    if kind is None:
+                        if future < inf:
+                            now[r] = future
+                            heappush(heap, (future, r))
+                        else:
+                            sleeping[r] = True
+                        continue
+                inputs, role, time, memory = kind[s]
+                end = t + time
+                if kind is not w_facts:  # an F or B: its end at the decision time, seen by the passes it feeds
+                    dend[role + k] = end
+                # Clock.place: as soon as the rank and the inputs allow
+                ready = afree[r]
+                for row, c in inputs:
+                    e = aend[row + k] + c
+                    if e > ready:
+                        ready = e
+                if afirst[r] < 0:
+                    afirst[r] = ready
+                aend[role + k] = afree[r] = ready + time
+                used = level[r] = level[r] + memory
+                if used > peak[r]:
+                    peak[r] = used
+                orders[r].append(code)
+                fed = -1
+                if kind is f_facts:
+                    f_next[s] += 1
+                    known_f[s] = None
+                    if strict:
+                        reserved[r] += extra[r] if s == first_stage[r] else -df[s]
+                    if s + 1 < n:
+                        fed = rank[s + 1]
+                elif kind is b_facts:
+                    b_next[s] += 1
+                    known_b[s] = None
+                    pending[r].append((s, k))
+                    if s > 0:
+                        fed = rank[s - 1]
+                left = remaining[r] = remaining[r] - 1
+                if left:
+                    now[r] = end
+                    heappush(heap, (end, r))
+                if fed >= 0 and sleeping[fed]:  # wake the rank it feeds
+                    sleeping[fed] = False
+                    heappush(heap, (now[fed], fed))
+            held = [r for r in range(p) if remaining[r] and pending[r]]
             if not held:
                 break
             for r in held:  # every rank waits while holding Ws: release memory
-                self.sleeping[r] = False
-                self._run_w(r, self.now[r])
-        if any(self.remaining):
-            stuck = [r for r, left in enumerate(self.remaining) if left]
+                sleeping[r] = False
+                s, k = pending[r].popleft()
+                inputs, role, time, memory = w_facts[s]
+                ready = afree[r]
+                for row, c in inputs:
+                    e = aend[row + k] + c
+                    if e > ready:
+                        ready = e
+                if afirst[r] < 0:
+                    afirst[r] = ready
+                aend[role + k] = afree[r] = ready + time
+                used = level[r] = level[r] + memory
+                if used > peak[r]:
+                    peak[r] = used
+                orders[r].append(w0 + s * m + k)
+                left = remaining[r] = remaining[r] - 1
+                if left:
+                    now[r] = now[r] + time
+                    heappush(heap, (now[r], r))
+        self.loose, self.tight, self.steps_left = loose, tight, steps_left
+        if any(remaining):
+            stuck = [r for r, left in enumerate(remaining) if left]
             raise Stalled(f"the list scheduler stalled on ranks {stuck} (memory limit too tight for this layout)")
-        return Result.of_clock(self.asap)
+        busy = [r for r, order in enumerate(orders) if order]
+        span = max((afree[r] - afirst[r] for r in busy), default=0.0)
+        makespan = max(afree) - min((afirst[r] for r in busy), default=0.0)
+        return Result(orders, self.model.encoding, span, makespan, max(peak, default=0.0))
 
     def _count_step(self) -> None:
-        self.steps_left -= 1
         if self.steps_left < 0:
             raise ScheduleError(
                 f"the list scheduler did not finish within {step_bound(self.placement, self.m)} steps for "
                 f"{self.n} stages x {self.m} microbatches: the costs must be finite numbers (NaN or infinite "
                 "times never become ready)"
             )
-
-    def _arrival(self, inputs: tuple[tuple[int, float], ...], k: int) -> float | None:
-        """``Clock.ready`` of the decided clock for a pass of microbatch k with these inputs (inlined: the hot path)."""
-        at, end = 0.0, self.decided.end
-        for row, comm in inputs:
-            arrival = end[row + k]
-            if arrival < 0:
-                return None
-            arrival += comm
-            if arrival > at:
-                at = arrival
-        return at
-
-    def _step(self, r: int, t: float) -> None:
-        sw, m, arrival = self.sw, self.m, self._arrival
-        f_next, b_next, known_f, known_b = self.f_next, self.b_next, self.known_f, self.known_b
-        ready_b: tuple[int, int] | None = None
-        ready_f: int | None = None
-        future_b: list[float] = []
-        future: list[float] = []
-        unknown: list[float] = []  # lower bounds of arrivals whose producer has not run yet
-        memory_blocked = False
-        soon = t + EPS
-        for s in self.stages[r]:
-            k = b_next[s]
-            if k < f_next[s]:
-                a = known_b[s]
-                if a is None:
-                    a = known_b[s] = arrival(self.b_in[s], k)  # once known, an arrival stays
-                if a is None:
-                    q = self.now[self.rank[s + 1]]
-                    unknown.append((q if q > t else t) + self.tb[s + 1] + self.comm)
-                elif a <= soon:
-                    if ready_b is None or (k, -s) < (ready_b[1], -ready_b[0]):
-                        ready_b = (s, k)
-                else:
-                    future_b.append(a)
-            k = f_next[s]
-            if k < m:
-                a = known_f[s]
-                if a is None:
-                    a = known_f[s] = arrival(self.f_in[s], k)
-                if a is None:
-                    q = self.now[self.rank[s - 1]]
-                    unknown.append((q if q > t else t) + self.tf[s - 1] + self.comm)
-                elif not self._f_fits(r, s):
-                    if a <= soon:
-                        memory_blocked = True
-                    else:
-                        future.append(a)  # by then a W may have to make room
-                elif a <= soon:
-                    if ready_f is None or (s > ready_f) == sw.depth_first:
-                        ready_f = s
-                else:
-                    future.append(a)
-        future += future_b
-        next_b = min(future_b, default=float("inf"))
-        if ready_b is not None and (sw.prefer_b or ready_f is None):
-            return self._run(r, t, self.b0 + ready_b[0] * m + ready_b[1])
-        if ready_f is not None and not (sw.protect_b and ready_b is None and next_b < t + self.tf[ready_f] - EPS):
-            return self._run(r, t, self.f0 + ready_f * m + f_next[ready_f])
-        if self.pending[r]:
-            s = self.pending[r][0][0]
-            fits = not (sw.protect_b and next_b < t + self.tw[s] - EPS)
-            if sw.fill_fit:
-                gap = min((*future, *unknown), default=float("inf")) - t
-                fits = fits and gap >= self.tw[s] - EPS
-            if memory_blocked or fits:
-                return self._run_w(r, t)
-        if future:
-            self._push(r, min(future))
-        else:
-            self.sleeping[r] = True
-
-    def _push(self, r: int, t: float) -> None:
-        self.now[r] = t
-        heapq.heappush(self.heap, (t, r))
-
-    def _wake(self, q: int) -> None:
-        if self.sleeping[q]:
-            self.sleeping[q] = False
-            heapq.heappush(self.heap, (self.now[q], q))
-
-    def _run(self, r: int, t: float, code: int) -> None:
-        """Run an F or a B at decision time t (its inputs have arrived) and wake the rank it feeds."""
-        s, k = divmod(code % (self.n * self.m), self.m)
-        end = self.decided.mark(code, t)
-        self.asap.place(code)
-        if code < self.b0:
-            self.f_next[s] += 1
-            self.known_f[s] = None
-            if self.strict:
-                self.reserved[r] += self.extra[r] if s == self.stages[r][0] else -self.df[s]
-            fed = s + 1 if s + 1 < self.n else None
-        else:
-            self.b_next[s] += 1
-            self.known_b[s] = None
-            self.pending[r].append((s, k))
-            fed = s - 1 if s > 0 else None
-        self._done(r, end)
-        if fed is not None:
-            self._wake(self.rank[fed])
-
-    def _run_w(self, r: int, t: float) -> None:
-        s, k = self.pending[r].popleft()
-        self.asap.place(self.w0 + s * self.m + k)
-        self._done(r, t + self.tw[s])
-
-    def _done(self, r: int, end: float) -> None:
-        self.remaining[r] -= 1
-        if self.remaining[r]:
-            self._push(r, end)

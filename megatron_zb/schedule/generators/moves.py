@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from ..actions import spec
 from ..costs import CostModel
-from ..ir import Pass, PassKind, Schedule
+from ..ir import Pass, PassKind, Schedule, made_pass
 from ..registry import ScheduleSpec
 from ..timing import COMPUTE, DEFERRABLE, EPS, run
 from .result import Result, model_of, timed_codes
@@ -33,10 +33,17 @@ SPLIT = {
 
 def split_backward(orders: Orders) -> tuple[tuple[Pass, ...], ...]:
     """Each fused pass as its parts at once (BW: B then W): the same times and peak, and the order stays split."""
-    return tuple(
-        tuple(Pass(part, p.stage, p.microbatch, p.pipe) for p in order for part in SPLIT.get(p.kind, (p.kind,)))
-        for order in orders
-    )
+    split = []
+    for order in orders:
+        parts: list[Pass] = []
+        for p in order:
+            kinds = SPLIT.get(p.kind)
+            if kinds is None:
+                parts.append(p)
+            else:
+                parts.extend(made_pass(kind, p.stage, p.microbatch, p.pipe) for kind in kinds)
+        split.append(tuple(parts))
+    return tuple(split)
 
 
 def split_filled(name: str, setting: ScheduleSpec, plain: Schedule, fill: Move) -> Schedule:

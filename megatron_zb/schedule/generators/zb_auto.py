@@ -22,7 +22,7 @@ from . import interleaved as interleaved_1f1b
 from . import one_f_one_b, zb_h1, zb_h2
 from .common import linear_schedule
 from .moves import defer, split_backward
-from .search import plan, searched
+from .search import check_ceiling, plan, searched
 from .torch_style import interleaved_zb_orders
 from .zb_rounds import ROUND_SWITCHES, round_orders
 
@@ -51,8 +51,10 @@ def _zb_auto(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
 def _search(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
     if spec.chunks is not None and spec.chunks > 1:
         placement = interleaved(spec.pp, spec.chunks)
+        check_ceiling(name, spec, (placement,))  # before the seeds are made
         return plan(searched(name, spec, placement, limit, interleaved_seeds(name, spec)))
     linear_schedule(name, spec, lambda r, p, m: [])  # refuses --chunks < 1
+    check_ceiling(name, spec, (linear(spec.pp),))
     seeds = [split(linear_schedule(name, spec, order)) for order in HANDMADE.values()]
     costs = spec.cost_model()
     planners = [(lambda m, s=setting: round_orders(costs, m, limit, s)) for setting in ROUND_SWITCHES]
