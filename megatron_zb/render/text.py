@@ -81,7 +81,8 @@ def _row(passes: tuple[PassTime, ...], origin: float, scale: float, columns: int
 
 def _axis(prefix_width: int, origin: float, span: float, scale: float, columns: int) -> str:
     """Tick labels at round times, at least six columns apart."""
-    step = next(mult * 10**exp for exp in range(-6, 12) for mult in _NICE_STEPS if mult * 10**exp * scale >= 6)
+    low = max(-6, math.floor(math.log10(6 / scale)) - 1) if 0 < scale < math.inf else -6  # huge spans too
+    step = next(mult * 10**exp for exp in range(low, low + 4) for mult in _NICE_STEPS if mult * 10**exp * scale >= 6)
     line = "time".ljust(prefix_width)
     for tick in range(int(span / step + 1e-9) + 1):
         at = prefix_width + _column(tick * step, scale)
