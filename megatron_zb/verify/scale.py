@@ -22,6 +22,7 @@ from ..checks import row
 from ..flags.megatron_lm_parser import Given, flag_of
 from ..flags.zero_bubble import KEYED_DROPOUT, SAME_INIT, ZERO_BUBBLE_FLAGS
 from ..megatron_lm import preflight
+from ..schedule.placement import Placement
 from . import scale_experts
 from .scaler import Change, Limits, Refused, ScaledLine, Scaler  # noqa: F401  (importable from here)
 
@@ -164,7 +165,7 @@ def scale(
     _batch(scaler, pp, limits)
     _iterations(scaler, limits)
     _data(scaler, limits)
-    _checkpoints(scaler, limits)
+    _checkpoints(scaler, limits, _rank_without_experts(args, settings.placement, layers))
     _cpu(scaler)
     for dest in OURS_NOT_USED:
         scaler.drop(dest, _ours(dest))
@@ -439,8 +440,29 @@ def _missing_data_files(args: argparse.Namespace) -> list[str]:
     return missing
 
 
-def _checkpoints(scaler: Scaler, limits: Limits) -> None:
-    if scaler.args.save is not None:
+def _rank_without_experts(args: argparse.Namespace, placement: Placement, layers: int) -> int | None:
+    """A rank of the scaled copy that holds MoE layers of the model but none of its own, when it matters for a save:
+    Megatron's distributed optimizer on CPU (torch's Adam: no Transformer Engine or apex) asserts one step across
+    its state when saving, and that rank's expert optimizer has none."""
+    moe = scale_experts.moe_layers(args, layers)
+    if not any(moe) or not args.use_distributed_optimizer or layers != placement.num_stages:
+        return None  # one layer per block, as _model scales it (with the ends accounted: two, not looked at)
+    for rank in range(placement.pp):
+        if not any(moe[block] for block in range(layers) if placement.blocks[block][0] == rank):
+            return rank
+    return None
+
+
+def _checkpoints(scaler: Scaler, limits: Limits, rank_without_experts: int | None = None) -> None:
+    if scaler.args.save is not None and rank_without_experts is not None:
+        why = (
+            f"rank {rank_without_experts} of the scaled copy holds only dense layers, and on CPU (no Transformer "
+            "Engine or apex) Megatron's distributed optimizer cannot save an expert optimizer without parameters "
+            "(distrib_optimizer.state_dict asserts one step over an empty state): verify saves no checkpoint"
+        )
+        scaler.drop("save", why)
+        scaler.drop("save_interval", why)
+    elif scaler.args.save is not None:
         _set_ours(scaler, "save", [str(limits.folder / "checkpoints")])
         _set_ours(scaler, "save_interval", [str(limits.iterations)])
     else:

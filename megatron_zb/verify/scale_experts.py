@@ -93,16 +93,35 @@ def _expert_count(experts: int, ep: int, topk: int, groups: int | None, group_to
     return experts
 
 
-def _layer_frequency(scaler: Scaler, layers: int) -> None:
-    """A pattern of dense and MoE layers, resampled to the scaled layer count: dense layers first stay first."""
-    pattern = scaler.value("moe_layer_freq")
-    if not isinstance(pattern, list) or len(pattern) == layers:
-        return  # a 1-in-N frequency means the same at any layer count
+def resampled(pattern: list[int], layers: int) -> list[int]:
+    """A pattern of dense (0) and MoE (1) layers at another layer count: dense layers first stay first, and
+    both kinds stay when both were there."""
+    if len(pattern) == layers:
+        return list(pattern)
     scaled = [pattern[i * len(pattern) // layers] for i in range(layers)]
     if 1 not in scaled:
         scaled[-1] = 1
     if 0 in pattern and 0 not in scaled and layers > 1:
         scaled[0 if pattern[0] == 0 else -1] = 0
+    return scaled
+
+
+def moe_layers(args: argparse.Namespace, layers: int) -> list[bool]:
+    """Which of the scaled copy's ``layers`` are MoE layers (none without --num-experts)."""
+    if not getattr(args, "num_experts", None):
+        return [False] * layers
+    pattern = getattr(args, "moe_layer_freq", 1)
+    if isinstance(pattern, list):
+        return [value == 1 for value in resampled(pattern, layers)]
+    return [layer % pattern == 0 for layer in range(layers)]
+
+
+def _layer_frequency(scaler: Scaler, layers: int) -> None:
+    """A pattern of dense and MoE layers, resampled to the scaled layer count."""
+    pattern = scaler.value("moe_layer_freq")
+    if not isinstance(pattern, list) or len(pattern) == layers:
+        return  # a 1-in-N frequency means the same at any layer count
+    scaled = resampled(pattern, layers)
     dense = sum(1 for value in pattern if value == 0)
     scaler.set(
         "--moe-layer-freq",

@@ -538,3 +538,22 @@ def test_train_on_cpu_refuses_them_by_the_same_reason(extra: str, words: str) ->
 
     with pytest.raises(ValueError, match=re.escape(words)):
         check([*PADDED, "--pipeline-model-parallel-size", "2", "--num-layers", "4", *extra.split()], 4, False)
+
+
+def test_a_moe_save_with_a_rank_without_experts_is_left_out_on_cpu(tmp_path: Path) -> None:
+    """The first layer dense on pp 2 (one layer per stage): rank 0 holds no expert, and Megatron's distributed
+    optimizer on CPU cannot save its empty expert optimizer; the scaled copy saves nothing and says why. With an MoE
+    layer on every rank (the V's rank 0 holds layers 0 and 3) the save stays."""
+    from megatron_zb.megatron_lm import preflight
+
+    saving = ["--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "100"]
+    dense_first = [*example("llama3_8b_core_v0.19.0"), *MOE, *saving]
+    line = scaled([*dense_first, "--enable-zero-bubble"], tmp_path)
+    why = {change.flag: change.why for change in line.changes}
+    assert values(line.argv, "--moe-layer-freq") == ["[0,1]"] and values(line.argv, "--save") is None
+    assert why["--save"].startswith("rank 0 of the scaled copy holds only dense layers")
+    assert "distrib_optimizer.state_dict" in why["--save"] and why["--save-interval"] == why["--save"]
+    preflight.validate(PARSER, line.argv, line.processes)
+    v_line = scaled([*dense_first, "--zero-bubble-v-schedule"], tmp_path)
+    assert values(v_line.argv, "--moe-layer-freq") == ["[0,1,1,1]"]
+    assert values(v_line.argv, "--save") == [str(tmp_path / "checkpoints")]
