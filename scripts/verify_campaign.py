@@ -100,6 +100,8 @@ def _words(value: object) -> list[object]:
         and all(re.fullmatch(r"[\w.-]+", w) for w in numbers)
     ):
         return numbers
+    if re.fullmatch(r"\[[A-Za-z_][\w.-]*\]", text):  # one word of a list ("[moe_act]"); "[1,0]" is one value
+        return [text[1:-1]]
     return [value]
 
 

@@ -475,6 +475,7 @@ def _cpu(scaler: Scaler) -> None:
         scaler.drop(dest, why)
     for dest, why in preflight.CPU_DROPPED.items():
         scaler.drop(dest, why)
+    _recompute_without_grouped_gemm(scaler)
     for setting in preflight.cpu_additions([], scaler.parser):
         scaler.set(setting.flag, None if setting.value is None else [setting.value], setting.why)
     backend = scaler.value("attention_backend")
@@ -493,6 +494,19 @@ def _cpu(scaler: Scaler) -> None:
             "megatron-core's interleaved schedule frees a sent output while a gloo send is in flight (the reference "
             "run would diverge on CPU)",
         )
+
+
+def _recompute_without_grouped_gemm(scaler: Scaler) -> None:
+    """megatron-core recomputes the experts' activation (``moe_act``) with grouped GEMM only, which a CPU leaves out."""
+    modules = scaler.value("recompute_modules") or []
+    if not scaler.value("moe_grouped_gemm") or "moe_act" not in modules:
+        return
+    why = "megatron-core recomputes the experts' activation with grouped GEMM only, which is off on CPU"
+    rest = [module for module in modules if module != "moe_act"]
+    if rest:
+        scaler.set("--recompute-modules", rest, f"moe_act left out: {why}")
+    else:
+        scaler.drop("recompute_modules", why)
 
 
 def _zero_bubble(scaler: Scaler, pp: int, limits: Limits) -> None:

@@ -557,3 +557,16 @@ def test_a_moe_save_with_a_rank_without_experts_is_left_out_on_cpu(tmp_path: Pat
     v_line = scaled([*dense_first, "--zero-bubble-v-schedule"], tmp_path)
     assert values(v_line.argv, "--moe-layer-freq") == ["[0,1,1,1]"]
     assert values(v_line.argv, "--save") == [str(tmp_path / "checkpoints")]
+
+
+def test_recomputing_the_expert_activation_goes_with_grouped_gemm_on_cpu(tmp_path: Path) -> None:
+    """megatron-core recomputes moe_act with grouped GEMM only; the CPU copy runs the sequential experts, so moe_act
+    leaves --recompute-modules with it (the rest stays), and Megatron-LM takes the copy."""
+    from megatron_zb.megatron_lm import preflight
+
+    extra = "--moe-grouped-gemm --recompute-granularity selective --recompute-modules moe_act core_attn".split()
+    line = scaled([*example("llama3_8b_core_v0.19.0"), *MOE, *extra, "--enable-zero-bubble"], tmp_path)
+    why = {change.flag: change.why for change in line.changes}
+    assert values(line.argv, "--recompute-modules") == ["core_attn"]
+    assert why["--recompute-modules"].startswith("moe_act left out: megatron-core recomputes the experts' activation")
+    preflight.validate(PARSER, line.argv, line.processes)

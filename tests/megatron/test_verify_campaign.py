@@ -29,7 +29,8 @@ def test_a_config_becomes_the_line_the_test_runner_passes(tmp_path: Path) -> Non
         "  --data-path: ${DATA_PATH}/text/my-gpt3_00_text_document\n  --split: 949,50,1\n"
         "  --dist-ckpt-strictness: log_all # a comment\n  --rampup-batch-size: [32, 32, 65324160]\n"
         '  --step-batch-size-schedule: "0:384 200B:768"\n  --seed: ${REPEAT}\n'
-        '  --hierarchical-context-parallel-sizes: "[2 2]"\n'
+        '  --hierarchical-context-parallel-sizes: "[2 2]"\n  --recompute-modules: "[moe_act]"\n'
+        '  --moe-layer-freq: "[1,0]"\n'
         "TEST_TYPE: regular\nMODE: pretraining\n"
     )
     (tmp_path / "gpt" / "gpt3_tiny_pp2_1node").mkdir()
@@ -48,7 +49,7 @@ def test_a_config_becomes_the_line_the_test_runner_passes(tmp_path: Path) -> Non
         *("--num-layers", "12", "--bf16", "--lr", "1e-05", "--data-path", data, "--split", "949,50,1"),
         *("--dist-ckpt-strictness", "log_all", "--rampup-batch-size", "32", "32", "65324160"),
         *("--step-batch-size-schedule", "0:384 200B:768", "--seed", "1", "--hierarchical-context-parallel-sizes"),
-        *("2", "2"),
+        *("2", "2", "--recompute-modules", "moe_act", "--moe-layer-freq", "[1,0]"),
     ]
 
 
