@@ -53,3 +53,13 @@ def process_group_count() -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return len(dist.distributed_c10d._world.pg_map)
+
+
+def group_device(group):
+    """Where a collective over ``group`` takes its tensors: the current GPU for NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -231,12 +231,15 @@ def gather_mtp_tracker(layers: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from ..process_groups import group_device
+
     tracker = MTPLossLoggingHelper.tracker
+    group = parallel_state.get_pipeline_model_parallel_group()
     metrics = hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker")  # 0.19: losses, correct and total counts
     for key in ("loss_values", "correct_values", "total_values") if metrics else ("values",):
         if key not in tracker:
-            tracker[key] = torch.zeros(layers, device=torch.cuda.current_device())
-        dist.all_reduce(tracker[key], group=parallel_state.get_pipeline_model_parallel_group())
+            tracker[key] = torch.zeros(layers, device=group_device(group))
+        dist.all_reduce(tracker[key], group=group)
     if tracker.get("avg_group") is None:  # the loss chunk's rank averages over data parallelism: so does this one
         tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
 

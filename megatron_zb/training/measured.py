@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..process_groups import group_device
 from ..render.chrome_trace import PID, collective_track, metadata_events, pass_event
 from ..runtime.profiler import PassRecord
 from ..schedule.simulate import PassTime
@@ -67,7 +68,7 @@ def pipeline_bubble(
     if not dist.is_initialized():
         return PipelineBubble(local, local, (local,))
     group = _pipeline_group() if group is None else group
-    device = _device(group)
+    device = group_device(group)
     mine = torch.tensor([local], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(group.size())]
     dist.all_gather(gathered, mine, group=group)
@@ -84,7 +85,8 @@ def pipeline_bubbles(local: list[float | None], group: dist.ProcessGroup | None 
     if not dist.is_initialized():
         return list(local)
     group = _pipeline_group() if group is None else group
-    mine = torch.tensor([float("nan") if v is None else v for v in local], dtype=torch.float64, device=_device(group))
+    values = [float("nan") if v is None else v for v in local]
+    mine = torch.tensor(values, dtype=torch.float64, device=group_device(group))
     gathered = [torch.zeros_like(mine) for _ in range(group.size())]
     dist.all_gather(gathered, mine, group=group)
     means = torch.stack(gathered).mean(dim=0)
@@ -373,9 +375,3 @@ def _pipeline_group() -> dist.ProcessGroup:
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_group()
-
-
-def _device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
