@@ -23,7 +23,7 @@ from .schedule.costs import CostModel
 from .schedule.generators.auto import chunk_counts, splits_layers, torch_orders
 from .schedule.ir import Schedule, ScheduleError
 from .schedule.lower import DataParallel, lower
-from .schedule.registry import ScheduleSpec, build, get, names, peak_memory
+from .schedule.registry import ScheduleSpec, build, get, names, over_limit
 from .schedule.simulate import Timeline, simulate
 from .schedule.validate import check
 
@@ -275,12 +275,9 @@ def _torch_rows(spec: ScheduleSpec, lowering: Lowering) -> Iterator[Row]:
         try:
             check(schedule, spec.costs)
             _check_layers(schedule, spec)
-            peak = peak_memory(schedule, spec.costs)
-            if spec.memory_limit is not None and peak > spec.memory_limit + EPS:
-                raise ScheduleError(
-                    f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
-                    f"got {spec.memory_limit:g}"
-                )
+            too_big = over_limit(name, schedule, spec)
+            if too_big is not None:
+                raise ScheduleError(too_big)
             yield _timed(name, schedule, spec.costs, lowering)
         except ScheduleError as error:
             yield _refusal(name, error, chunks=schedule.chunks)

@@ -134,19 +134,26 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
         schedule = _planned.__wrapped__(generator, spec)
     else:
         schedule = _planned(generator, _plans_with(generator, spec))
-    costs = spec.cost_model()
-    if spec.memory_limit is not None:
-        peak = peak_memory(schedule, costs)
-        if peak > spec.memory_limit + 1e-9:
-            message = (
-                f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
-                f"got {spec.memory_limit:g}"
-            )
-            if suggest:
-                fits = [f"{other} ({need:g})" for other, need in _peaks(spec) if need <= spec.memory_limit + 1e-9]
-                message += f"; schedules that fit: {', '.join(fits) or 'none'}"
-            raise ScheduleError(message)
+    message = over_limit(name, schedule, spec)
+    if message is not None:
+        if suggest:
+            fits = [f"{other} ({need:g})" for other, need in _peaks(spec) if need <= spec.memory_limit + 1e-9]
+            message += f"; schedules that fit: {', '.join(fits) or 'none'}"
+        raise ScheduleError(message)
     return schedule
+
+
+def over_limit(name: str, schedule: Schedule, spec: ScheduleSpec) -> str | None:
+    """Why ``schedule`` does not fit ``spec.memory_limit`` (the memory it needs), or None when it fits."""
+    if spec.memory_limit is None:
+        return None
+    peak = peak_memory(schedule, spec.cost_model())
+    if peak <= spec.memory_limit + 1e-9:
+        return None
+    return (
+        f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
+        f"got {spec.memory_limit:g}"
+    )
 
 
 PLANS_KEPT = 64  # a plan at pp=32, m=256 holds a few MB
