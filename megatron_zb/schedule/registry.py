@@ -118,10 +118,12 @@ def get(name: str) -> Generator:
     return _GENERATORS[name]
 
 
-def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
+def build(name: str, spec: ScheduleSpec, suggest: bool = True, checked: bool = True) -> Schedule:
     """Generate and validate; raises ScheduleError naming the setting that cannot work.
 
-    A memory refusal lists the schedules that fit (``suggest``), which builds all of them.
+    A memory refusal lists the schedules that fit (``suggest``), which builds all of them. ``checked=False``:
+    the plan as generated, neither validated nor held to the memory limit; for a caller that compares
+    many plans and checks the one it returns (``auto``: its pick is validated when it is built).
     """
     if spec.pp < 1:
         raise ScheduleError(f"pp must be at least 1, got {spec.pp}")
@@ -130,10 +132,14 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True) -> Schedule:
     if spec.costs is not None and spec.costs.pp != spec.pp:
         raise ScheduleError(f"the cost model is for pp={spec.costs.pp}, the schedule for pp={spec.pp}")
     generator = get(name)
-    if spec.refine_seconds > 0:
-        schedule = _planned.__wrapped__(generator, spec)
+    if spec.refine_seconds > 0:  # the solver is timed: its plans are never kept
+        schedule = generator.generate(spec)
+        if checked:
+            check(schedule, spec.cost_model())
     else:
-        schedule = _planned(generator, _plans_with(generator, spec))
+        schedule = (_planned if checked else _generated)(generator, _plans_with(generator, spec))
+    if not checked:
+        return schedule
     message = over_limit(name, schedule, spec)
     if message is not None:
         if suggest:
@@ -147,8 +153,12 @@ def over_limit(name: str, schedule: Schedule, spec: ScheduleSpec) -> str | None:
     """Why ``schedule`` does not fit ``spec.memory_limit`` (the memory it needs), or None when it fits."""
     if spec.memory_limit is None:
         return None
-    peak = peak_memory(schedule, spec.cost_model())
-    if peak <= spec.memory_limit + 1e-9:
+    return limit_refusal(name, peak_memory(schedule, spec.cost_model()), spec)
+
+
+def limit_refusal(name: str, peak: float, spec: ScheduleSpec) -> str | None:
+    """Why a plan that peaks at ``peak`` does not fit ``spec.memory_limit``, or None when it fits."""
+    if spec.memory_limit is None or peak <= spec.memory_limit + 1e-9:
         return None
     return (
         f"{name} needs --memory-limit >= {peak:g} for pp={spec.pp}, microbatches={spec.microbatches}, "
@@ -160,8 +170,13 @@ PLANS_KEPT = 64  # a plan at pp=32, m=256 holds a few MB
 
 
 @lru_cache(maxsize=PLANS_KEPT)
+def _generated(generator: Generator, spec: ScheduleSpec) -> Schedule:
+    return generator.generate(spec)
+
+
+@lru_cache(maxsize=PLANS_KEPT)
 def _planned(generator: Generator, spec: ScheduleSpec) -> Schedule:
-    schedule = generator.generate(spec)
+    schedule = _generated(generator, spec)
     check(schedule, spec.cost_model())
     return schedule
 

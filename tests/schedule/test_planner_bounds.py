@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import replace
 
 import pytest
 
 from megatron_zb.schedule import registry
 from megatron_zb.schedule.costs import CostModel
-from megatron_zb.schedule.generators import auto, greedy, search, v_auto
-from megatron_zb.schedule.generators.greedy import ALL_SWITCHES, greedy_orders
+from megatron_zb.schedule.generators import auto, breadth_first, greedy, search, v_auto, v_family, zb_auto
+from megatron_zb.schedule.generators.greedy import ALL_SWITCHES, Pruned, greedy_orders, pruned_above
 from megatron_zb.schedule.generators.result import timed_schedule
 from megatron_zb.schedule.generators.search import Ceiling, Unreachable, ceiling, time_bound
 from megatron_zb.schedule.ir import ScheduleError
@@ -56,11 +58,61 @@ def test_ceiling_refuses_before_planning() -> None:
 def test_auto_picks_as_without_ceiling(monkeypatch, p: int, m: int, limit: float | None, post_validation: bool) -> None:
     spec = ScheduleSpec(p, m, costs=uneven(p), memory_limit=limit, post_validation=post_validation)
     pruned = auto.generate(spec)
-    for module in (search, v_auto):
+    for module in (search, v_auto, v_family, zb_auto):
         monkeypatch.setattr(module, "check_ceiling", lambda name, spec, placements: None)
+    monkeypatch.setattr(breadth_first, "check_memory_floor", lambda name, floor: None)
     registry._planned.cache_clear()  # plan every family afresh, nothing refused
+    registry._generated.cache_clear()
     whole = auto.generate(spec)
     assert (pruned.name, pruned.orders) == (whole.name, whole.orders)
+
+
+def test_a_breadth_first_plan_over_auto_s_limit_is_refused_unplanned() -> None:
+    spec = ScheduleSpec(4, 8, 2, uneven(4), memory_limit=6.0)
+    with ceiling(Ceiling(math.inf, memory=6.0)), pytest.raises(Unreachable, match="holds at least 8 at once"):
+        get("breadth-first-zb").generate(spec)  # 8 microbatches x 2 chunks of half a stage before a backward
+    unlimited = build("breadth-first-zb", replace(spec, memory_limit=None))
+    assert registry.peak_memory(unlimited, spec.cost_model()) >= 8
+
+
+@pytest.mark.parametrize("placement", [linear(4), interleaved(4, 2), v_shape(4)])
+def test_a_run_is_pruned_exactly_when_its_span_is_over_the_bound(placement) -> None:
+    costs, m = uneven(4, comm=0.2), 12
+    for setting in ALL_SWITCHES[:8]:
+        greedy._RUNS.clear()
+        try:
+            whole = greedy_orders(placement, costs, m, 6.0, setting)
+        except ScheduleError:
+            continue
+        for bound in (0.97 * whole.stage_span, whole.stage_span, 1.03 * whole.stage_span):
+            greedy._RUNS.clear()
+            with pruned_above(bound):
+                if whole.stage_span > bound * (1 + 1e-9):
+                    with pytest.raises(Pruned, match="stage span would be over"):
+                        greedy_orders(placement, costs, m, 6.0, setting)
+                else:
+                    assert greedy_orders(placement, costs, m, 6.0, setting).codes == whole.codes
+
+
+@pytest.mark.parametrize(
+    "name, p, m, chunks, limit",
+    [
+        ("zb-1p", 16, 128, 2, None),
+        ("zb-2p", 8, 24, None, None),
+        ("zb-v", 8, 40, None, None),
+        ("v-auto", 8, 32, None, 6.0),
+    ],
+)
+def test_pruned_searches_plan_as_unpruned_ones(monkeypatch, name: str, p: int, m: int, chunks, limit) -> None:
+    """zb-1p at pp 16, m 128 on 2 chunks ranks its planners on a sample (``search.eval_microbatches``)."""
+    spec = ScheduleSpec(p, m, chunks, uneven(p), memory_limit=limit)
+    greedy._RUNS.clear()
+    pruned = get(name).generate(spec)
+    monkeypatch.setattr(search, "pruned_above", lambda span: contextlib.nullcontext())
+    greedy._RUNS.clear()
+    zb_auto._zb_auto.cache_clear()
+    whole = get(name).generate(spec)
+    assert pruned.orders == whole.orders
 
 
 def test_kept_runs_are_the_runs_of_their_limits() -> None:

@@ -20,16 +20,17 @@ measures; name them to run them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 
 from ..ir import Schedule, ScheduleError
 from ..placement import Placement, interleaved, v_shape
-from ..registry import ScheduleSpec, build, get, names, register
+from ..registry import ScheduleSpec, build, get, limit_refusal, names, register
 from ..timing import EPS
 from .result import Result, timed_schedule
 from .search import Ceiling, Recipe, ceiling, plan
-from .torch_style import dualpipev_orders, interleaved_zb_orders, zbv_codes
+from .torch_style import dualpipev_orders, interleaved_zb_passes, zbv_codes
 from .v_blocks import as_passes
 
 MOST_CHUNKS = 8  # chunk counts above it are not searched (planning time grows with the blocks)
@@ -70,11 +71,11 @@ def _builds(spec: ScheduleSpec) -> list[tuple[str, int | None]]:
     return sorted(builds, key=lambda build: -(build[1] or 0))
 
 
-def _family(spec: ScheduleSpec, name: str, chunks: int | None, bound: Ceiling | None) -> Schedule | str:
+def _family(spec: ScheduleSpec, name: str, chunks: int | None, bound: Ceiling) -> Schedule | str:
     """The family built at ``chunks`` (named for it), or why not; ``bound``: refused unplanned when out of reach."""
     try:
-        with ceiling(bound):
-            schedule = build(name, replace(spec, chunks=chunks, refine_seconds=0.0), suggest=False)
+        with ceiling(bound):  # unchecked: only the pick is validated (when ``auto`` is built)
+            schedule = build(name, replace(spec, chunks=chunks, refine_seconds=0.0), suggest=False, checked=False)
     except ScheduleError as error:
         return str(error).splitlines()[0]
     if not splits_layers(schedule, spec):
@@ -93,7 +94,7 @@ def torch_orders(spec: ScheduleSpec) -> Iterator[Schedule]:
         if m >= 2 * p:
             yield Schedule("PyTorch's DualPipeV order", (v_shape(p),), m, tuple(map(tuple, dualpipev_orders(p, m))))
     for chunks in (c for c in chunk_counts(spec) if c > 1):
-        orders = tuple(map(tuple, interleaved_zb_orders(p, m, chunks)))
+        orders = interleaved_zb_passes(p, m, chunks)
         label = f"PyTorch's InterleavedZeroBubble order, {chunks} chunks"
         yield Schedule(label, (interleaved(p, chunks),), m, orders)
 
@@ -118,13 +119,19 @@ class _Search:
                 yield self._seen(timed_schedule(schedule, costs))
         errors: dict[tuple[str, int | None], str] = {}
         for name, chunks in _builds(spec):
-            bound = None if self.first is None else Ceiling(self.first, self.spec.post_validation)
+            first = math.inf if self.first is None else self.first
+            bound = Ceiling(first, self.spec.post_validation, self.spec.memory_limit)
             made = _family(spec, name, chunks, bound)
             if isinstance(made, str):
                 errors[name, chunks] = made
                 continue
+            result = timed_schedule(made, costs)  # the plan's own timing, kept by ``search.plan``
+            too_big = None if result is None else limit_refusal(name, result.peak, spec)
+            if too_big is not None:
+                errors[name, chunks] = too_big
+                continue
             self.position[made.name] = listed.index((name, chunks))
-            yield self._seen(timed_schedule(made, costs))
+            yield self._seen(result)
         for name in dict.fromkeys(name for name, _ in listed):
             mine = [errors.get(build) for build in listed if build[0] == name]
             if all(mine):

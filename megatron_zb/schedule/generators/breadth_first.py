@@ -19,11 +19,12 @@ reduction, which the simulator shows once the schedule is lowered with REDUCE_GR
 
 from __future__ import annotations
 
-from ..ir import BW, F, Pass, Schedule, ScheduleError
+from ..costs import CostModel
+from ..ir import BW, F, Pass, PassKind, Schedule, ScheduleError
 from ..placement import Placement, interleaved
 from ..registry import ScheduleSpec, register
 from .moves import by_block, fill_idle, split_filled
-from .search import Move
+from .search import Move, check_memory_floor
 
 DEFAULT_CHUNKS = 2
 
@@ -79,5 +80,21 @@ def generate(spec: ScheduleSpec) -> Schedule:
     options=("breadth_first_microbatches", "chunks"),
 )
 def generate_zb(spec: ScheduleSpec) -> Schedule:
+    plain = _schedule("breadth-first-zb", spec)
+    check_memory_floor("breadth-first-zb", forward_peak(plain, spec.cost_model()))  # before the Ws are placed
     fill = Move(lambda result: fill_idle(result, spec.cost_model(), trailing=by_block), always=True)
-    return split_filled("breadth-first-zb", spec, _schedule("breadth-first-zb", spec), fill)
+    return split_filled("breadth-first-zb", spec, plain, fill)
+
+
+def forward_peak(schedule: Schedule, costs: CostModel) -> float:
+    """The memory a rank holds when its first group's forwards are done: filling idle time with Ws moves no
+    F or B, and no W comes before a B, so every breadth-first order peaks at least there."""
+    peak = 0.0
+    for order in schedule.orders:
+        held = 0.0
+        for p in order:
+            if p.kind is not PassKind.F:
+                break
+            held += costs.memory_delta(p, schedule.placement)
+        peak = max(peak, held)
+    return peak

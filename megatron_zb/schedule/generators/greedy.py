@@ -20,6 +20,10 @@ oldest microbatch can always advance and the scheduler never stalls.
 Every step either places a pass or moves a rank's clock to a known arrival, so the number of
 steps is linear in the number of passes (``step_bound``); a cost model that breaks this (NaN
 times are never "ready") ends with a ScheduleError instead of looping forever.
+
+A search that only needs runs with a stage span at most some value (``pruned_above``) has a run
+stopped (``Pruned``) once a rank's span so far plus the work it has left is over it: that run
+could not be kept, and the runs that finish are the ones they would have been.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from itertools import product
 
@@ -97,12 +104,13 @@ def greedy_orders(
     for loose, tight, result in runs:
         if loose <= cap and (cap < tight or tight == math.inf):
             return result
-    run = _Greedy(placement, costs, microbatches, limit, switches)
+    bound = _SPAN_BOUND.get()
+    run = _Greedy(placement, costs, microbatches, limit, switches, bound=bound)
     try:
         result = run.run()
         loose, tight = run.loose, run.tight
     except Stalled:
-        strict = _Greedy(placement, costs, microbatches, limit, switches, strict=True)
+        strict = _Greedy(placement, costs, microbatches, limit, switches, strict=True, bound=bound)
         result = strict.run()
         loose, tight = max(run.loose, strict.loose), min(run.tight, strict.tight)
     runs.append((loose, tight, result))
@@ -119,6 +127,23 @@ _RUNS: dict[tuple, list[tuple[float, float, Result]]] = {}
 
 class Stalled(ScheduleError):
     """The list scheduler could not place any pass: the memory admitted could not drain."""
+
+
+class Pruned(ScheduleError):
+    """The run was stopped: its stage span would be over the bound ``pruned_above`` set."""
+
+
+_SPAN_BOUND: ContextVar[float | None] = ContextVar("span_bound", default=None)
+
+
+@contextmanager
+def pruned_above(span: float | None) -> Iterator[None]:
+    """Within the block, a run raises ``Pruned`` as soon as its stage span must end over ``span`` (None: never)."""
+    token = _SPAN_BOUND.set(span)
+    try:
+        yield
+    finally:
+        _SPAN_BOUND.reset(token)
 
 
 def _own_role(writes: tuple[int, ...]) -> int:
@@ -146,9 +171,12 @@ class _Greedy:
         limit: float | None,
         switches: Switches,
         strict: bool = False,
+        bound: float | None = None,
     ):
         model = model_of((placement,), m, costs)
         self.model, self.strict = model, strict
+        # a stage span over this cannot be kept (``pruned_above``); the margin covers rounding in ``left``
+        self.bound = math.inf if bound is None else bound + 1e-9 * max(1.0, abs(bound))
         self.m, self.sw, self.placement = m, switches, placement
         self.limit = float("inf") if limit is None else limit + EPS
         self.loose, self.tight = -math.inf, math.inf  # what the memory checks needed: passed, failed
@@ -193,6 +221,8 @@ class _Greedy:
         inf = math.inf
         heappush, heappop = heapq.heappush, heapq.heappop
         loose, tight, steps_left = self.loose, self.tight, self.steps_left
+        bound = self.bound
+        work = [m * sum(tf[s] + tb[s] + tw[s] for s in chunks) for chunks in stages]  # per rank, not yet placed
         # the decisions: roles' ends at decision time; per stage its next F and B and their arrivals once known
         dend = [-1.0] * self.model.roles
         f_next, b_next = [0] * n, [0] * n
@@ -336,6 +366,9 @@ class _Greedy:
                 if afirst[r] < 0:
                     afirst[r] = ready
                 aend[role + k] = afree[r] = ready + time
+                work[r] -= time
+                if afree[r] + work[r] - afirst[r] > bound:
+                    raise Pruned(f"rank {r}'s stage span would be over {bound:g}")
                 used = level[r] = level[r] + memory
                 if used > peak[r]:
                     peak[r] = used
@@ -376,6 +409,9 @@ class _Greedy:
                 if afirst[r] < 0:
                     afirst[r] = ready
                 aend[role + k] = afree[r] = ready + time
+                work[r] -= time
+                if afree[r] + work[r] - afirst[r] > bound:
+                    raise Pruned(f"rank {r}'s stage span would be over {bound:g}")
                 used = level[r] = level[r] + memory
                 if used > peak[r]:
                     peak[r] = used

@@ -83,9 +83,36 @@ def timed(orders: Sequence[Sequence[Pass]], placement: Placements, costs: CostMo
     return timed_codes([[encode(p) for p in order] for order in orders], placement, costs, m)
 
 
+RECALLED = 16  # plans remembered with their timing (``remember``)
+# id(orders) -> (the orders, the costs they were timed on, their Result): the plans ``search.plan`` made
+_TIMED: dict[int, tuple[tuple, CostModel, Result]] = {}
+
+
+def remember(orders: tuple, costs: CostModel, result: Result) -> None:
+    """Keep a plan's timing with its orders: ``auto`` times every family's plan again, and ``build`` takes
+    its peak, on orders of 10^5 passes that the planner has just timed."""
+    _TIMED.pop(id(orders), None)
+    _TIMED[id(orders)] = (orders, costs, result)
+    while len(_TIMED) > RECALLED:
+        _TIMED.pop(next(iter(_TIMED)))
+
+
+def recalled(schedule: Schedule, costs: CostModel) -> Result | None:
+    """The timing ``remember`` kept for these very orders on these costs, or None."""
+    kept = _TIMED.get(id(schedule.orders))
+    if kept is None or kept[0] is not schedule.orders or kept[1] != costs:
+        return None
+    result = kept[2]
+    same = result.encoding.placements == schedule.placements and result.microbatches == schedule.microbatches
+    return result if same else None
+
+
 def timed_schedule(schedule: Schedule, costs: CostModel, limit: float | None = None) -> Result | None:
     """A schedule's orders timed, labelled with its name; None if they deadlock or, before any timing,
     if a rank's memory goes over ``limit`` (the order alone sets it)."""
+    known = recalled(schedule, costs)
+    if known is not None:
+        return None if limit is not None and known.peak > limit + EPS else replace(known, label=schedule.name)
     placements, m = schedule.placements, schedule.microbatches
     encode = encoding_of(placements, m).encode
     codes = [[encode(p) for p in order] for order in schedule.orders]
@@ -94,4 +121,7 @@ def timed_schedule(schedule: Schedule, costs: CostModel, limit: float | None = N
         if any(model.peak(order) > limit + EPS for order in codes):
             return None
     result = timed_codes(codes, placements, costs, m)
-    return None if result is None else replace(result, label=schedule.name)
+    if result is None:
+        return None
+    remember(schedule.orders, costs, result)
+    return replace(result, label=schedule.name)

@@ -25,8 +25,8 @@ from ..placement import Placement
 from ..registry import ScheduleSpec
 from ..timing import EPS
 from .budget import BUDGET
-from .greedy import ALL_SWITCHES, Switches, check_memory_costs, greedy_orders, min_memory_limit
-from .result import Result, timed_schedule
+from .greedy import ALL_SWITCHES, Switches, check_memory_costs, greedy_orders, min_memory_limit, pruned_above
+from .result import Result, remember, timed_schedule
 
 Planner = Callable[[int], Result]  # plans m microbatches; raises ScheduleError when it cannot
 Seeds = Callable[[], Iterable["Result | Schedule"]]  # fixed candidates, made when the search gets to them
@@ -85,6 +85,7 @@ class Ceiling:
 
     value: float
     span: bool = False
+    memory: float | None = None  # the caller's memory limit: a plan over it is refused (``check_memory_floor``)
 
 
 _CEILING: ContextVar[Ceiling | None] = ContextVar("ceiling", default=None)
@@ -136,6 +137,14 @@ def check_ceiling(name: str, spec: ScheduleSpec, placements: tuple[Placement, ..
         raise Unreachable(f"{name}: no {what} under {limit.value:g} on this placement (at least {bound:g})")
 
 
+def check_memory_floor(name: str, floor: float) -> None:
+    """Raise ``Unreachable`` when a ``ceiling`` with a memory limit is set and ``floor``, memory every plan of
+    the recipe holds at some point, is over it (before the plan is made)."""
+    limit = _CEILING.get()
+    if limit is not None and limit.memory is not None and floor > limit.memory + EPS:
+        raise Unreachable(f"{name} holds at least {floor:g} at once, over the memory limit {limit.memory:g}")
+
+
 def plan(recipe: Recipe) -> Schedule:
     """``best`` as a schedule, refined by the solver if asked (refused first if a ``ceiling`` is out of reach)."""
     check_ceiling(recipe.name, recipe.spec, recipe.placements)
@@ -147,7 +156,8 @@ def plan(recipe: Recipe) -> Schedule:
     if recipe.refine and spec.refine_seconds > 0:
         from ..refine import refine
 
-        schedule = refine(schedule, spec.cost_model(), recipe.limit, spec.refine_seconds)
+        return refine(schedule, spec.cost_model(), recipe.limit, spec.refine_seconds)
+    remember(orders, spec.cost_model(), found)
     return schedule
 
 
@@ -167,8 +177,14 @@ def _best_plan(recipe: Recipe, planners: Sequence[Planner]) -> Result | None:
     ranked: list[tuple[tuple, int]] = []
     found: Result | None = None
     for index, planner in enumerate(planners):
+        if m_eval == m:
+            bound = _span_to_beat(recipe, found)
+        else:  # a sample run is only planned for all if its score is among the ``confirm`` lowest
+            scores = sorted({score for score, _ in ranked})
+            bound = scores[BUDGET.search.confirm - 1][0] if len(scores) >= BUDGET.search.confirm else None
         try:
-            result = planner(m_eval)
+            with pruned_above(bound):
+                result = planner(m_eval)
         except ScheduleError:
             continue
         if m_eval == m:
@@ -185,10 +201,19 @@ def _best_plan(recipe: Recipe, planners: Sequence[Planner]) -> Result | None:
             continue  # ties on the sample are usually the same orders: plan one of them
         confirmed.add(ranked_score)
         try:
-            found = _better(recipe, found, planners[index](m))
+            with pruned_above(_span_to_beat(recipe, found)):
+                found = _better(recipe, found, planners[index](m))
         except ScheduleError:
             continue
     return found
+
+
+def _span_to_beat(recipe: Recipe, found: Result | None) -> float | None:
+    """The stage span a planner must not exceed to replace ``found`` (None: any may, or the recipe ranks
+    otherwise): with the stage span as the first key, a longer one loses whatever else it is."""
+    if found is None or recipe.rank is not Result.score:
+        return None
+    return found.stage_span
 
 
 def lower_bound(costs: CostModel, placement: Placement) -> float:

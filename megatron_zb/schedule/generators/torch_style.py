@@ -22,6 +22,8 @@ phase structure):
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..ir import BW, B, F, Pass, W
 from .interleaved import looped
 from .v_blocks import B0, B1, F0, F1, W0, W1, chunk_codes
@@ -141,3 +143,10 @@ def interleaved_zb_orders(p: int, m: int, v: int) -> list[list[Pass]]:
         order += [W(c * p + r, mb) for c, mb in backwards[weights:]]
         orders.append(order)
     return orders
+
+
+@lru_cache(maxsize=8)
+def interleaved_zb_passes(p: int, m: int, v: int) -> tuple[tuple[Pass, ...], ...]:
+    """``interleaved_zb_orders`` as a schedule's orders, made once per setting: ``auto`` times it as PyTorch's
+    order and zb-1p and zb-2p seed from it, and one orders object is timed once (``result.remember``)."""
+    return tuple(map(tuple, interleaved_zb_orders(p, m, v)))

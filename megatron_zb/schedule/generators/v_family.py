@@ -26,7 +26,7 @@ from ..simulate import memory_levels
 from .extend import stretched
 from .greedy import ALL_SWITCHES
 from .result import Result, timed_codes
-from .search import Planner, Recipe, eval_microbatches, plan, searched
+from .search import Planner, Recipe, check_ceiling, eval_microbatches, plan, searched
 from .torch_style import zbv_codes
 from .v_blocks import PERIOD, as_passes, chunk_codes, plain_peak, repeated
 from .v_squeeze import squeezed_codes
@@ -141,14 +141,17 @@ def zb_v(spec: ScheduleSpec) -> Recipe:
 
 @register("v-min", "V-shape building block at about a third of 1f1b's memory (pp/3+1 stages)")
 def generate_v_min(spec: ScheduleSpec) -> Schedule:
+    check_ceiling("v-min", spec, (v_shape(spec.pp),))
     return plan(building_block("v-min", spec, v_min_offsets)[0])
 
 
 @register("v-half", "V-shape building block at about half of 1f1b's memory (pp/2+1 stages)")
 def generate_v_half(spec: ScheduleSpec) -> Schedule:
+    check_ceiling("v-half", spec, (v_shape(spec.pp),))
     return plan(building_block("v-half", spec, v_half_offsets)[0])
 
 
 @register("zb-v", "zero bubble V: 1f1b's memory, about zero bubble for m >= 2pp, twice the PP messages")
 def generate_zb_v(spec: ScheduleSpec) -> Schedule:
+    check_ceiling("zb-v", spec, (v_shape(spec.pp),))
     return plan(zb_v(spec))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 
-from ..ir import Schedule, ScheduleError
+from ..ir import Pass, Schedule, ScheduleError
 from ..placement import interleaved, linear
 from ..registry import ScheduleSpec, register
 from . import interleaved as interleaved_1f1b
@@ -23,7 +23,7 @@ from . import one_f_one_b, zb_h1, zb_h2
 from .common import linear_schedule
 from .moves import defer, split_backward
 from .search import check_ceiling, plan, searched
-from .torch_style import interleaved_zb_orders
+from .torch_style import interleaved_zb_passes
 from .zb_rounds import ROUND_SWITCHES, round_orders
 
 HANDMADE = {"1f1b": one_f_one_b.rank_order, "zb-h1": zb_h1.rank_order, "zb-h2": zb_h2.rank_order}
@@ -67,14 +67,23 @@ def split(schedule: Schedule) -> Schedule:
 
 def interleaved_seeds(name: str, spec: ScheduleSpec) -> list[Schedule]:
     """interleaved-1f1b with each BW split (W at once, or every W after the last B), and interleaved zero bubble."""
-    zero_bubble = interleaved_zb_orders(spec.pp, spec.microbatches, spec.chunks)
-    placement = interleaved(spec.pp, spec.chunks)
-    seeds = [Schedule(name, (placement,), spec.microbatches, tuple(map(tuple, zero_bubble)))]
+    p, m, v = spec.pp, spec.microbatches, spec.chunks
+    placement = interleaved(p, v)
+    return [
+        Schedule(name, (placement,), m, orders) for orders in (interleaved_zb_passes(p, m, v), *_split_1f1b(p, m, v))
+    ]
+
+
+@lru_cache(maxsize=8)
+def _split_1f1b(p: int, m: int, v: int) -> tuple[tuple[tuple[Pass, ...], ...], ...]:
+    """interleaved-1f1b's orders with each BW split, W at once and W deferred (none where it cannot run); made
+    once per setting, as zb-1p, zb-2p and zb-auto all seed from them (one orders object is timed once)."""
     try:
-        at_once = split(interleaved_1f1b.generate(replace(spec, memory_limit=None)))
+        plain = interleaved_1f1b.generate(ScheduleSpec(p, m, chunks=v))
     except ScheduleError:
-        return seeds
-    return [*seeds, at_once, replace(at_once, orders=defer(at_once.orders))]
+        return ()
+    at_once = split_backward(plain.orders)
+    return at_once, defer(at_once)
 
 
 def preset_limit(spec: ScheduleSpec, factor: int) -> float:
