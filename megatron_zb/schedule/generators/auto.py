@@ -28,7 +28,7 @@ from ..ir import Schedule, ScheduleError
 from ..placement import Placement, interleaved, v_shape
 from ..registry import ScheduleSpec, build, get, limit_refusal, names, register
 from ..timing import EPS
-from .result import Result, timed_schedule
+from .result import Result, peak, timed_schedule
 from .search import Ceiling, Recipe, ceiling, plan
 from .torch_style import dualpipev_orders, interleaved_zb_passes, zbv_codes
 from .v_blocks import as_passes
@@ -125,8 +125,8 @@ class _Search:
             if isinstance(made, str):
                 errors[name, chunks] = made
                 continue
-            result = timed_schedule(made, costs)  # the plan's own timing, kept by ``search.plan``
-            too_big = None if result is None else limit_refusal(name, result.peak, spec)
+            result = timed_schedule(made, costs, spec.memory_limit)  # not timed over the limit
+            too_big = limit_refusal(name, peak(made, costs), spec) if result is None else None
             if too_big is not None:
                 errors[name, chunks] = too_big
                 continue

@@ -19,8 +19,7 @@ reduction, which the simulator shows once the schedule is lowered with REDUCE_GR
 
 from __future__ import annotations
 
-from ..costs import CostModel
-from ..ir import BW, F, Pass, PassKind, Schedule, ScheduleError
+from ..ir import BW, F, Pass, Schedule, ScheduleError
 from ..placement import Placement, interleaved
 from ..registry import ScheduleSpec, register
 from .moves import by_block, fill_idle, split_filled
@@ -71,6 +70,7 @@ def _schedule(name: str, spec: ScheduleSpec) -> Schedule:
     options=("breadth_first_microbatches", "chunks"),
 )
 def generate(spec: ScheduleSpec) -> Schedule:
+    check_memory_floor("breadth-first", forward_peak("breadth-first", spec))
     return _schedule("breadth-first", spec)
 
 
@@ -80,21 +80,16 @@ def generate(spec: ScheduleSpec) -> Schedule:
     options=("breadth_first_microbatches", "chunks"),
 )
 def generate_zb(spec: ScheduleSpec) -> Schedule:
-    plain = _schedule("breadth-first-zb", spec)
-    check_memory_floor("breadth-first-zb", forward_peak(plain, spec.cost_model()))  # before the Ws are placed
+    check_memory_floor("breadth-first-zb", forward_peak("breadth-first-zb", spec))
     fill = Move(lambda result: fill_idle(result, spec.cost_model(), trailing=by_block), always=True)
-    return split_filled("breadth-first-zb", spec, plain, fill)
+    return split_filled("breadth-first-zb", spec, _schedule("breadth-first-zb", spec), fill)
 
 
-def forward_peak(schedule: Schedule, costs: CostModel) -> float:
-    """The memory a rank holds when its first group's forwards are done: filling idle time with Ws moves no
-    F or B, and no W comes before a B, so every breadth-first order peaks at least there."""
-    peak = 0.0
-    for order in schedule.orders:
-        held = 0.0
-        for p in order:
-            if p.kind is not PassKind.F:
-                break
-            held += costs.memory_delta(p, schedule.placement)
-        peak = max(peak, held)
-    return peak
+def forward_peak(name: str, spec: ScheduleSpec) -> float:
+    """The memory a rank holds when the first group's forwards are done, on every chunk, before any backward:
+    filling idle time with Ws moves no F or B, and no W comes before a B, so each order peaks at least there."""
+    placement, costs, group = _placement(name, spec), spec.cost_model(), group_size(spec)
+    held = [0.0] * spec.pp
+    for block in range(placement.num_stages):
+        held[placement.rank_of(block)] += group * costs.mem_f[placement.full_stage(block)] / placement.chunks
+    return max(held)

@@ -107,6 +107,16 @@ def recalled(schedule: Schedule, costs: CostModel) -> Result | None:
     return result if same else None
 
 
+def peak(schedule: Schedule, costs: CostModel) -> float:
+    """The most memory a rank of ``schedule`` holds (its order alone sets it), without timing it."""
+    known = recalled(schedule, costs)
+    if known is not None:
+        return known.peak
+    placements, m = schedule.placements, schedule.microbatches
+    encode, model = encoding_of(placements, m).encode, model_of(placements, m, costs)
+    return max((model.peak([encode(p) for p in order]) for order in schedule.orders), default=0.0)
+
+
 def timed_schedule(schedule: Schedule, costs: CostModel, limit: float | None = None) -> Result | None:
     """A schedule's orders timed, labelled with its name; None if they deadlock or, before any timing,
     if a rank's memory goes over ``limit`` (the order alone sets it)."""
