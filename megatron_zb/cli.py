@@ -19,7 +19,7 @@ from .schedule.costs import CostModel
 from .schedule.costs_file import load_costs
 from .schedule.ir import Schedule, ScheduleError
 from .schedule.iterations import IterationsTimeline, simulate_iterations
-from .schedule.lower import DataParallel, lower
+from .schedule.lower import DataParallel, add_all_to_all, lower
 from .schedule.registry import ScheduleSpec, build, get, names
 from .schedule.schedule_file import load_schedule, refuse_other_setting
 from .schedule.simulate import Timeline, simulate
@@ -54,7 +54,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_UNIT_COSTS = {"cost_f": (1.0,), "cost_b": (1.0,), "cost_w": (1.0,), "cost_comm": 0.0}
+_UNIT_COSTS = {"cost_f": (1.0,), "cost_b": (1.0,), "cost_w": (1.0,), "cost_comm": 0.0, "cost_a2a": (0.0,)}
 _MEMORY = {"mem_f": (1.0,), "mem_b": (-0.5,), "mem_w": (-0.5,)}
 _DATA_PARALLEL = {"cost_dp": (0.0,), "mem_param": (0.0,)}
 
@@ -177,7 +177,9 @@ def plan_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
         raise ScheduleError("give --schedule NAME (see `megatron-zb list`)")
     schedule = build(args.schedule, spec)
     lowering = data_parallel(args)
-    return (schedule if lowering is None else lower(schedule, lowering)), spec.costs
+    if lowering is None:
+        return add_all_to_all(schedule, spec.costs), spec.costs
+    return lower(schedule, lowering, spec.costs if spec.costs.has_all_to_all else None), spec.costs
 
 
 def _file_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:

@@ -51,6 +51,8 @@ SETTING = (
         _stage_numbers("--cost-b", "input-gradient backward time T_B (default 1)"),
         _stage_numbers("--cost-w", "weight-gradient backward time T_W (default 1)"),
         Flag("--cost-comm", "latency per cross-rank transfer (default 0)", type=float, range=FINITE),
+        _stage_numbers("--cost-a2a", "expert-parallel all-to-all time of one microbatch in one direction (dispatch "
+                       "and combine of the stage's MoE layers), a part of T_F and of T_B (default 0)"),
         Flag("--costs-from", "the costs measured in training (--zero-bubble-save-costs FILE), in ms; pp, microbatches "
              "and the memory limit default to the run's", metavar="FILE"),
     ),

@@ -2,7 +2,8 @@
 
 One process, one thread per rank, one complete event per pass at its simulated time, and a
 counter track per rank of activation memory. Data-parallel collectives of a rank go on a thread
-of their own (``COLLECTIVES_TID + rank``), releases of gathered weights are instant events.
+of their own (``COLLECTIVES_TID + rank``), releases of gathered weights are instant events; an
+all-to-all split out of a pass holds the compute stream and goes on the rank's thread, before its pass.
 Trace times are microseconds, so simulated time is multiplied by ``time_unit_us`` (the default
 reads one simulated unit as one millisecond).
 """
@@ -43,7 +44,7 @@ def pass_event(t: PassTime, unit: float) -> dict[str, Any]:
     """One pass as a complete event; ``unit`` converts its times to microseconds."""
     p = t.pass_
     stream = spec(p.kind).stream
-    if not p.kind.is_compute:
+    if not spec(p.kind).blocks_compute:
         event = {
             "ph": "i" if stream is Stream.HOST else "X",
             "pid": PID,

@@ -2,7 +2,8 @@
 
 Only pass rects are ``<rect>`` elements (legend swatches are paths), so the rect count of a
 drawing is its count of passes that take time. Every rect carries a ``<title>``, which browsers
-show on hover. A rank with data-parallel collectives gets a second, thinner lane for them.
+show on hover. A rank with data-parallel collectives gets a second, thinner lane for them; an
+all-to-all split out of a pass holds the compute stream and is drawn in the rank's lane.
 The HTML page inlines the SVG without a namespace URL, so it names no outside resource at all.
 """
 
@@ -57,7 +58,7 @@ def _pass(t: PassTime, x: float, width: float, y: float, chunks: int, height: fl
         f'<rect class="pass {t.pass_.kind.value}" x="{_px(x)}" y="{_px(y)}" width="{_px(width)}" height="{height}" '
         f'fill="{fill}"><title>{escape(tooltip(t))}</title></rect>'
     ]
-    label = str(t.pass_.microbatch) if t.pass_.kind.is_compute else f"s{t.pass_.stage}"
+    label = str(t.pass_.microbatch) if t.pass_.kind.per_microbatch else f"s{t.pass_.stage}"
     if height == LANE and width >= 7 * len(label) + 4:
         out.append(f'<text class="mb" x="{_px(x + width / 2)}" y="{_px(y + LANE / 2 + 4)}">{label}</text>')
     return out
@@ -82,7 +83,7 @@ def _legend(chunks: int, kinds: set) -> tuple[list[str], float]:
     """The legend elements and where they end (x): every compute kind, the other kinds drawn."""
     out, x = [], LEFT
     for kind, action in SPECS.items():
-        if not (action.compute or (kind in kinds and action.stream is Stream.COLLECTIVE)):
+        if not (action.compute or (kind in kinds and action.stream in (Stream.COLLECTIVE, Stream.EXPERT))):
             continue
         out.append(f'<path class="swatch" d="M{x} 34h12v12h-12z" fill="{action.color}"/>')
         out.append(f'<text class="legend" x="{x + 16}" y="44">{escape(action.title)}</text>')
@@ -135,7 +136,7 @@ def _svg(timeline: Timeline, namespace: bool) -> str:
         body.append(f'<text class="rank" x="{LEFT - 8}" y="{_px(y + LANE / 2 + 4)}">rank {rank}</text>')
         for t in passes:
             x = LEFT + (t.start - origin) * scale
-            if t.pass_.kind.is_compute:
+            if spec(t.pass_.kind).blocks_compute:
                 body.extend(_pass(t, x, (t.end - t.start) * scale, y, timeline.schedule.chunks))
             elif spec(t.pass_.kind).stream is Stream.COLLECTIVE and t.end > t.start:
                 below = y + LANE + GAP

@@ -4,7 +4,8 @@ The scale is chosen so that every pass can show its full label (the shortest pas
 usually an F or a W), and only shrinks when a ``width`` is given. A column belongs to the pass
 covering the column's midpoint, so rounding never makes two passes overlap. A rank with
 data-parallel collectives gets a second row for them (their own stream); releases take no
-time and are not drawn.
+time and are not drawn. An all-to-all split out of a pass holds the compute stream and is drawn
+in the rank's row, before the rest of its pass.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ LEGEND = (
 )
 
 COLLECTIVES_LEGEND = "        collectives row: U2 gathers stage 2's weights | R2 reduces its gradients"
+ALL_TO_ALL_LEGEND = (
+    "        a3 expert-parallel all-to-all (dispatch + combine) of F3 | A3 of B3 (or BW3): each is part of the pass "
+    "after it"
+)
 _RESET = "\x1b[0m"
 _NICE_STEPS = (1, 2, 5)
 
 
 def _label(t: PassTime) -> str:
     p = t.pass_
+    if p.kind.per_microbatch and not p.kind.is_compute:
+        return f"{spec(p.kind).short}{p.microbatch}"
     if not p.kind.is_compute:
         return f"{spec(p.kind).short}{p.stage}"
     return f"{p.kind.value}{p.microbatch}"
@@ -122,7 +129,7 @@ def render_text(timeline: Timeline, width: int | None = None, color: bool = Fals
     columns = math.ceil(round(span * scale, 9))
     lines = []
     for prefix, passes in zip(prefixes, timeline.ranks, strict=True):
-        compute = tuple(t for t in passes if t.pass_.kind.is_compute)
+        compute = tuple(t for t in passes if spec(t.pass_.kind).blocks_compute)
         collectives = tuple(t for t in passes if spec(t.pass_.kind).stream is Stream.COLLECTIVE)
         lines.append(prefix + _row(compute, origin, scale, columns, color) + "|")
         if collectives:
@@ -130,8 +137,11 @@ def render_text(timeline: Timeline, width: int | None = None, color: bool = Fals
             lines.append(lane + _row(collectives, origin, scale, columns, color) + "|")
     lines.append(_axis(prefix_width, origin, span, scale, columns))
     lines.extend(LEGEND)
-    if any(not t.pass_.kind.is_compute for rank in timeline.ranks for t in rank):
+    streams = {spec(t.pass_.kind).stream for rank in timeline.ranks for t in rank}
+    if streams & {Stream.COLLECTIVE, Stream.HOST}:
         lines.append(COLLECTIVES_LEGEND)
+    if Stream.EXPERT in streams:
+        lines.append(ALL_TO_ALL_LEGEND)
     lines.append("")
     lines.extend(_summary(timeline, scale))
     return "\n".join(lines) + "\n"

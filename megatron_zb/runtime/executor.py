@@ -7,7 +7,9 @@ the kind of pass: F, B (input gradients, weight gradients queued), W (the queued
 (both at once), and the data-parallel actions of a lowered schedule, which go to the
 data-parallel backend of the run (``runtime.dp``): UNSHARD (start gathering a chunk's weights;
 every pass that runs on them waits for the gather first), RESHARD (release them), REDUCE_GRAD
-(start the chunk's gradient reduction).
+(start the chunk's gradient reduction). The all-to-alls a lowered schedule splits out of passes
+(A2A_F, A2A_B) run nothing here: megatron-core's dispatcher performs them, synchronously, inside
+the pass that follows, and the profiler books their time to them (``expert_comm``).
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ class Executor:
             PassKind.RESHARD: self._reshard,
             PassKind.REDUCE_GRAD: self._reduce_grad,
             PassKind.REPLICA_SYNC: self._replica_sync,
+            PassKind.A2A_F: self._all_to_all,
+            PassKind.A2A_B: self._all_to_all,
         }
 
     def run(self) -> None:
@@ -312,6 +316,9 @@ class Executor:
                 f"{p}: a schedule with two copies of a block needs a data-parallel backend to sync them"
             )
         self.data_parallel.replica_sync(self.plan.schedule.chunk_of(p))
+
+    def _all_to_all(self, p: Pass) -> None:
+        """Nothing to run: the dispatcher inside the next pass, ``p``'s pass, performs this all-to-all."""
 
     def _check_empty(self) -> None:
         left = [("inbox", self.inbox), ("activations", self.stash), ("unsent outputs", self.produced)]

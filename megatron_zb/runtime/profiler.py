@@ -8,18 +8,31 @@ of the layers, whatever the placement) and measures T_comm with a ping-pong of o
 tensor between neighbouring ranks. A profile of a placement with several blocks per stage also
 gives what the model's ends add (``CostModel.t_f_ends``): the first block's time beyond the
 other blocks of its stage (the embedding) and the last block's (output layer and loss).
+
+The expert-parallel all-to-all runs inside the F and B passes (megatron-core's dispatcher),
+so its time is taken there (``expert_comm``): each compute record carries the seconds its pass
+spent in it, booked under the all-to-all kinds (A2A_F in an F, A2A_B in a B or BW) by
+``stage_sums``; the cost model's T_a2a (t_a2a_b) is their mean over the F (B, BW) passes
+(the A2A actions of a lowered schedule run nothing: the pass after them does the work).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Pass, PassKind, Schedule
+from ..schedule.actions import PARTS, spec
+from ..schedule.costs import ALL_TO_ALL as COST_ALL_TO_ALL
+from ..schedule.costs import PerStage
+from . import expert_comm
+
+# The all-to-all kind a compute pass's communication is booked under, by the role that runs it.
+ALL_TO_ALL = {role: kind.value for role, kind in PARTS.items()}
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,7 @@ class PassRecord:
     start: float
     end: float
     waited: float = 0.0  # seconds blocked on this pass's receives (not in start..end)
+    a2a: float = 0.0  # seconds of expert-parallel all-to-all inside it (in start..end)
 
 
 @dataclass(frozen=True)
@@ -73,11 +87,12 @@ class PassProfiler:
     def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
         """Time ``fn(arg)``; time spent waiting for its inputs (``waited()`` grows by it) is not work."""
         before = waited() if waited is not None else 0.0
-        start = self.now()
-        fn(arg)
-        end = self.now()
+        with expert_comm.metering(self.now) as meter:
+            start = self.now()
+            fn(arg)
+            end = self.now()
         idle = (waited() - before) if waited is not None else 0.0
-        self.records.append(PassRecord(self.iteration, p, chunk, start + idle, end, idle))
+        self.records.append(PassRecord(self.iteration, p, chunk, start + idle, end, idle, meter.seconds))
 
     def call(self, start: float, end: float, posted: float) -> None:
         """Record one executor run (see ``CallRecord``)."""
@@ -141,6 +156,9 @@ def stage_sums(records: list[PassRecord], schedule: Schedule) -> dict[tuple[str,
         stage = placement.full_stage(record.pass_.stage)
         seconds = (record.end - record.start) * placement.chunks
         add_sums(sums, {(record.pass_.kind.value, stage): (seconds, 1)})
+        for role in spec(record.pass_.kind).roles:
+            if role in ALL_TO_ALL:  # zero where the stage has no MoE layer: the mean stays honest
+                add_sums(sums, {(ALL_TO_ALL[role], stage): (record.a2a * placement.chunks, 1)})
     return sums
 
 
@@ -175,7 +193,8 @@ def agreed_cost_model(
 
     Every rank gets the same model, so tensor- and data-parallel replicas keep planning the
     same schedule. ``group`` is this rank's pipeline group, where T_comm is measured. A
-    fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W.
+    fused BW is split with ``w_share_when_fused`` when the schedule ran no separate W (its
+    all-to-all, if any, all in B).
     With ``blocks`` (every rank's ``block_sums``, or none on every rank) the ends' extras are
     measured too (``end_extras``).
     """
@@ -194,15 +213,32 @@ def agreed_cost_model(
     t_f, t_b, t_w = [], [], []
     for stage in range(schedule.pp):
         f, b, w, bw = (mean(kind, stage) for kind in ("F", "B", "W", "BW"))
-        if b is None and bw is not None:
-            b, w = bw * (1 - w_share_when_fused), bw * w_share_when_fused
+        if b is None and bw is not None:  # the backward all-to-all is B's: only the rest is shared with W
+            a2a = min(mean(PassKind.A2A_B.value, stage) or 0.0, bw)
+            b, w = a2a + (bw - a2a) * (1 - w_share_when_fused), (bw - a2a) * w_share_when_fused
         t_f.append(f or 0.0)
         t_b.append(b or 0.0)
         t_w.append(w or 0.0)
     t_comm = measure_latency(group, boundary_shape, dtype, device)
     per_stage = {"t_f": tuple(t_f), "t_b": tuple(t_b), "t_w": tuple(t_w)}
     ends = end_extras(block_totals, schedule, per_stage, w_share_when_fused)
-    return CostModel(schedule.pp, *per_stage.values(), t_comm, **ends)
+    without_a2a = CostModel(schedule.pp, *per_stage.values(), t_comm, **ends)
+    return replace(without_a2a, **all_to_all_times(totals, without_a2a))
+
+
+def all_to_all_times(totals: dict[tuple[str, int], tuple[float, int]], costs: CostModel) -> dict[str, PerStage]:
+    """``t_a2a`` and ``t_a2a_b`` per stage: the mean all-to-all seconds of the F records and of the B (BW)
+    ones, each at most the layers' part of the pass time that holds it (noise must not make the model invalid)."""
+    found = {}
+    for kind in PARTS.values():
+        (name,) = spec(kind).time  # t_a2a, t_a2a_b
+        times = []
+        for stage in range(costs.pp):
+            total, count = totals.get((kind.value, stage), (0.0, 0))
+            held = costs.layer_time(COST_ALL_TO_ALL[name], stage)
+            times.append(max(0.0, min(total / count if count else 0.0, held)))
+        found[name] = tuple(times)
+    return found
 
 
 def end_extras(

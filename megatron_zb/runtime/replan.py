@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Schedule, ScheduleError, schedule_from_data, schedule_to_data, simulate
-from ..schedule.costs import ENDS
+from ..schedule.costs import ALL_TO_ALL, ENDS
 from ..schedule.costs_file import MeasuredCosts, save_costs
 from .profiler import PassProfiler, add_sums, agreed_cost_model, stage_sums
 
@@ -59,6 +59,11 @@ class ReplanReport:
         timed = (
             f"passes timed in iterations {first}-{last}: T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, "
             f"T_W {_ms(costs.t_w)} ms per stage, T_comm {costs.t_comm:.3g} ms"
+            + (
+                f", all-to-all {_ms(costs.t_a2a)} ms in T_F and {_ms(costs.t_a2a_b)} ms in T_B"
+                if costs.has_all_to_all
+                else ""
+            )
         )
         if self.replaced:
             return (
@@ -203,7 +208,7 @@ def _milliseconds(seconds: CostModel, planned: CostModel | None) -> CostModel:
         t_b=tuple(1000 * t for t in seconds.t_b),
         t_w=tuple(1000 * t for t in seconds.t_w),
         t_comm=1000 * seconds.t_comm,
-        **{name: tuple(1000 * t for t in getattr(seconds, name)) for name in ENDS.values()},
+        **{name: tuple(1000 * t for t in getattr(seconds, name)) for name in (*ENDS.values(), *ALL_TO_ALL)},
     )
     if planned is None:
         return costs

@@ -6,10 +6,13 @@ validator and the renderers. Adding a kind means adding it to ``PassKind`` and h
 that, only the lowering pass that inserts it and the runtime handler that executes it know it
 by name.
 
-Three streams: compute passes run one at a time, in order, on the rank's compute stream;
+Four streams: compute passes run one at a time, in order, on the rank's compute stream;
 collectives (gathering weights, reducing gradients) run in order on a data-parallel stream of
 their own, overlapping compute (issued when the rank reaches them, waited for by what needs
-them); host actions (releasing gathered weights) take no time and block nothing.
+them); host actions (releasing gathered weights) take no time and block nothing; the
+expert-parallel all-to-all has a stream of its own that blocks the compute stream while it runs,
+as megatron-core's token dispatcher waits for it. Its actions are parts of a compute pass
+(``part_of``): their time is inside that pass's time, which lowering splits in two (``lower.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class Stream(str, Enum):
     COMPUTE = "compute"
     COLLECTIVE = "collective"
     HOST = "host"
+    EXPERT = "expert"  # the expert-parallel all-to-all: synchronous, the compute stream waits for it
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,16 @@ class ActionSpec:
     memory: str = ""  # the CostModel memory delta it applies (allocates +, frees -), if any
     frees: str = ""  # the CostModel memory it releases (what another kind allocated), if any
     grouped: bool = False  # a collective with the rank that holds the block's other copy (Schedule.shared)
+    part_of: str = ""  # the role of the compute pass (same stage and microbatch) whose time includes this one's
 
     @property
     def compute(self) -> bool:
         return self.stream is Stream.COMPUTE
+
+    @property
+    def blocks_compute(self) -> bool:
+        """Whether the rank's compute stream is busy while it runs (a compute pass, an all-to-all)."""
+        return self.stream in (Stream.COMPUTE, Stream.EXPERT)
 
 
 SPECS: dict[PassKind, ActionSpec] = {
@@ -96,8 +106,22 @@ SPECS: dict[PassKind, ActionSpec] = {
             time=("t_dp",),
             title="REPLICA_SYNC sync replica grads", short="S", color="#e0a030", ansi="\x1b[33m",
         ),
+        ActionSpec(  # dispatch + combine of the block's MoE layers, split out of its F
+            PassKind.A2A_F, roles=("A2A_F",), stream=Stream.EXPERT, uses_weights=True, part_of="F",
+            time=("t_a2a",),
+            title="A2A_F all-to-all fwd", short="a", color="#17a2b8", ansi="\x1b[96m",
+        ),
+        ActionSpec(  # their backward, split out of the B (or BW)
+            PassKind.A2A_B, roles=("A2A_B",), stream=Stream.EXPERT, backward=True, uses_weights=True, part_of="B",
+            time=("t_a2a_b",),
+            title="A2A_B all-to-all bwd", short="A", color="#0e6b7a", ansi="\x1b[36m",
+        ),
     )
 }  # fmt: skip
+
+
+# The role of a compute pass -> the kind split out of a pass that plays it (its all-to-all).
+PARTS: dict[str, PassKind] = {action.part_of: kind for kind, action in SPECS.items() if action.part_of}
 
 
 def spec(kind: PassKind) -> ActionSpec:

@@ -2,7 +2,8 @@
 
 A message exists for every input that is produced on another rank (activations forward,
 input gradients backward). Inputs produced on the same rank, such as the V turn between
-two chunks of one rank, are handed over locally and need none. Between a pair of ranks,
+two chunks of one rank, are handed over locally and need none. The parts split out of a pass
+(its all-to-all) wait for the pass's inputs but receive nothing: the pass does. Between a pair of ranks,
 messages are matched in the sender's order (NCCL semantics), so each carries its position.
 """
 
@@ -59,6 +60,8 @@ def messages(schedule: Schedule) -> tuple[Message, ...]:
     found = []
     for dst, order in enumerate(schedule.orders):
         for consumer in order:
+            if not consumer.kind.is_compute:
+                continue  # per-stage actions need no tensor of another rank; a pass's parts leave it to the pass
             for role in inputs(consumer, schedule.num_stages(consumer.pipe)):
                 src, made_by = producer[role]
                 if src != dst:

@@ -10,6 +10,14 @@ the extra, plus the extra if it is the first or last block. Memory is counted in
 microbatch's activations of a full stage. T_comm is a latency per cross-rank edge. T_dp is the
 time of one data-parallel collective over a full stage's weights or gradients (a gather or a
 reduction), mem_param the memory a full stage's gathered weights take while gathered (ZeRO-3).
+T_a2a is the time of one microbatch's expert-parallel all-to-alls on a full stage in the
+forward (dispatch and combine of every MoE layer; 0 without MoE layers), t_a2a_b that of their
+backward, which moves as many tokens (by default the same; measured, it differs: the forward
+also exchanges the token counts and waits for the slowest rank of the group). Like the ends'
+extras they are parts of the pass times that already contain them: t_f holds the forward
+all-to-alls, t_b their backward, so each is at most its pass's time less the ends' extras (the
+embedding and the loss hold no MoE layer). Planners of compute passes need nothing of them;
+lowering splits them out of the passes (``lower.add_all_to_all``).
 """
 
 from __future__ import annotations
@@ -40,7 +48,11 @@ FLAGS = {
     "mem_w": "--mem-w",
     "t_dp": "--cost-dp",
     "mem_param": "--mem-param",
+    "t_a2a": "--cost-a2a",
+    "t_a2a_b": "--cost-a2a, which gives both directions",
 }
+# Which pass time holds each all-to-all time.
+ALL_TO_ALL = {"t_a2a": "t_f", "t_a2a_b": "t_b"}
 
 
 def _name(field_name: str) -> str:
@@ -106,16 +118,20 @@ class CostModel:
     t_f_ends: Ends = (0.0, 0.0)
     t_b_ends: Ends = (0.0, 0.0)
     t_w_ends: Ends = (0.0, 0.0)
+    t_a2a: PerStage = field(default=(0.0,))
+    t_a2a_b: PerStage | None = None  # None: as t_a2a
 
     def __post_init__(self) -> None:
         if isinstance(self.pp, bool) or not isinstance(self.pp, numbers.Integral) or self.pp < 1:
             raise ScheduleError(f"pp must be a whole number >= 1, got {self.pp!r}")
-        for name in ("t_f", "t_b", "t_w", "mem_f", "mem_b", "mem_w", "t_dp", "mem_param"):
+        if self.t_a2a_b is None:
+            object.__setattr__(self, "t_a2a_b", self.t_a2a)
+        for name in ("t_f", "t_b", "t_w", "mem_f", "mem_b", "mem_w", "t_dp", "mem_param", "t_a2a", "t_a2a_b"):
             object.__setattr__(self, name, _per_stage(name, getattr(self, name), self.pp))
-        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w", "t_dp", "mem_param"):
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w", "t_dp", "mem_param", "t_a2a", "t_a2a_b"):
             values = getattr(self, name)
             _check_finite(name, values if isinstance(values, tuple) else (values,))
-        for name in ("t_f", "t_b", "t_w", "t_dp", "mem_param"):
+        for name in ("t_f", "t_b", "t_w", "t_dp", "mem_param", "t_a2a", "t_a2a_b"):
             if any(v < 0 for v in getattr(self, name)):
                 raise ScheduleError(f"{_name(name)} must not be negative: {getattr(self, name)}")
         if self.t_comm < 0:
@@ -133,6 +149,31 @@ class CostModel:
             object.__setattr__(self, ends_name, _ends(ends_name, getattr(self, ends_name), getattr(self, name)))
         # Not a field: planners call ``duration`` millions of times, and most models have no ends.
         object.__setattr__(self, "_ends", {n: getattr(self, e) for n, e in ENDS.items() if any(getattr(self, e))})
+        self._check_all_to_all()
+
+    def _check_all_to_all(self) -> None:
+        """T_a2a is inside t_f, t_a2a_b inside t_b, beside the ends' extras (which hold no MoE layer)."""
+        for a2a_name, name in ALL_TO_ALL.items():
+            for stage, a2a in enumerate(getattr(self, a2a_name)):
+                layers = self.layer_time(name, stage)
+                if a2a > layers * (1 + 1e-9) + 1e-12:
+                    within = f"{_name(name)} {getattr(self, name)[stage]:g}"
+                    if layers != getattr(self, name)[stage]:
+                        within += f" less the ends' extra ({_name(ENDS[name])}), {layers:g},"
+                    raise ScheduleError(
+                        f"{_name(a2a_name)} of stage {stage} is {a2a:g}, more than {within} which includes it "
+                        f"(the all-to-alls run inside the {name[2:].upper()} pass); give at most {layers:g}"
+                    )
+
+    def layer_time(self, name: str, stage: int) -> float:
+        """The full stage's ``name`` time without what the model's ends add to it."""
+        first, last = getattr(self, ENDS[name]) if name in ENDS else (0.0, 0.0)
+        return getattr(self, name)[stage] - (first if stage == 0 else 0.0) - (last if stage == self.pp - 1 else 0.0)
+
+    @property
+    def has_all_to_all(self) -> bool:
+        """Whether any stage runs an expert-parallel all-to-all (lowering then splits it out)."""
+        return any(self.t_a2a) or any(self.t_a2a_b)
 
     def duration(self, p: Pass, placement: Placement) -> float:
         """The pass's time: the fields its ``ActionSpec.time`` names, summed, for its block (see the module)."""

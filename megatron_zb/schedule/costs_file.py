@@ -12,13 +12,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .costs import ENDS, CostModel
+from .costs import ALL_TO_ALL, ENDS, CostModel
 from .ir import ScheduleError
 
 FORMAT = "megatron-zb costs 1"
 _COST_FIELDS = ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w")
-# What the first and last block add (``CostModel.t_f_ends``); files written before them have none.
-_OPTIONAL_FIELDS = tuple(ENDS.values())
+# What the first and last block add (``CostModel.t_f_ends``) and the expert-parallel all-to-alls
+# (``CostModel.t_a2a``, ``t_a2a_b``); files written before them have none.
+_OPTIONAL_FIELDS = (*ENDS.values(), *ALL_TO_ALL)
 
 
 @dataclass(frozen=True)

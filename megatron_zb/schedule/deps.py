@@ -6,7 +6,9 @@ passes depend on each other through the model (``inputs``). The per-stage action
 lowering adds depend on the rank's order (``order_inputs``): a pass on a chunk whose weights
 the schedule gathers waits for the UNSHARD that opened its window, a REDUCE_GRAD for every W
 of its stage, a REPLICA_SYNC for every W of both copies of its block, and a RESHARD for its
-window's UNSHARD and a reduction still reading it.
+window's UNSHARD and a reduction still reading it. A part split out of a compute pass (the
+all-to-all, ``ActionSpec.part_of``) comes before the rest of it: it needs what its pass needs, and
+the pass waits for it.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def inputs(p: Pass, num_stages: int) -> tuple[Role, ...]:
     """The roles of other compute passes that must have finished before ``p`` may start.
 
     F needs the previous block's F; B needs its own F (the stashed activations) and the
-    next block's B, or at the last block nothing more; W needs its own B. Per-stage actions
-    have none here (see ``order_inputs``).
+    next block's B, or at the last block nothing more; W needs its own B. A part of a pass
+    (A2A_F, A2A_B) needs what the pass needs. Per-stage actions have none here (see ``order_inputs``).
     """
     same = (p.pipe, p.stage, p.microbatch)
     if p.kind is PassKind.F:
@@ -46,7 +48,8 @@ def inputs(p: Pass, num_stages: int) -> tuple[Role, ...]:
     if p.kind is PassKind.W:
         return (Role("B", *same),)
     if not p.kind.is_compute:
-        return ()
+        part = spec(p.kind).part_of
+        return inputs(Pass(PassKind(part), p.stage, p.microbatch, p.pipe), num_stages) if part else ()
     own = Role("F", *same)
     if p.stage == num_stages - 1:
         return (own,)
@@ -71,6 +74,7 @@ def order_inputs(schedule: Schedule) -> OrderInputs:
         for p in order:
             weights_of.setdefault((p.pipe, p.stage), []).extend(r for r in roles(p) if r.kind == "W")
     synced = {(p.pipe, p.stage) for order in schedule.orders for p in order if spec(p.kind).grouped}
+    parts = split_parts(schedule)
     for order in schedule.orders:
         gathered = {(p.pipe, p.stage) for p in order if spec(p.kind).gathers > 0}
         window: dict[tuple[int, int], Role] = {}  # open windows: (pipe, stage) -> the UNSHARD that opened it
@@ -97,7 +101,21 @@ def order_inputs(schedule: Schedule) -> OrderInputs:
             elif kind.grouped:  # both copies' weight gradients, wherever they are computed
                 other = schedule.replica(*key)
                 needed = tuple(weights_of.get(key, ())) + tuple(weights_of.get(other, ()) if other else ())
+            if parts and p.kind.is_compute:  # the parts split out of it run first
+                needed += tuple(part for role in roles(p) for part in parts.get(role, ()))
             found.append(needed)
         all_inputs.append(tuple(found))
         all_sharded.append(tuple(sharded))
     return OrderInputs(tuple(all_inputs), tuple(all_sharded))
+
+
+def split_parts(schedule: Schedule) -> dict[Role, tuple[Role, ...]]:
+    """Role of a compute pass -> the roles of the parts lowering split out of it (its all-to-alls)."""
+    parts: dict[Role, tuple[Role, ...]] = {}
+    for order in schedule.orders:
+        for p in order:
+            part_of = spec(p.kind).part_of
+            if part_of:
+                whole = Role(part_of, p.pipe, p.stage, p.microbatch)
+                parts[whole] = parts.get(whole, ()) + roles(p)
+    return parts

@@ -4,7 +4,9 @@ Execution model (what the runtime implements): each rank walks its order; a comp
 starts when the rank's compute stream is free and every input has finished (plus the comm
 latency when the input was produced on another rank). A collective (``actions.Stream``) is
 issued when the rank reaches it and runs on the rank's data-parallel stream, in order, once its
-inputs are done, overlapping the compute passes after it; a host action takes no time. Sends
+inputs are done, overlapping the compute passes after it; a host action takes no time. An
+all-to-all split out of a compute pass (``ActionSpec.part_of``) holds the compute stream like a
+pass, and the pass takes its own time less its parts' (``duration`` gives whole passes). Sends
 never block; between two ranks messages are matched in send order and a receiver posts its
 receives in that order, so the only way to deadlock is a cycle of waits, which is reported
 with the ranks on it.
@@ -17,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .actions import Stream, spec
-from .deps import Role, inputs, order_inputs, roles
+from .deps import Role, inputs, order_inputs, roles, split_parts
 from .ir import Pass, Schedule, ScheduleError
 
 
@@ -89,6 +91,8 @@ class _Engine:
         self.issued: dict[tuple[int, tuple[int, ...]], int] = {}  # (rank, group) -> grouped collectives so far
         self.joining: dict[tuple, dict[int, tuple[float, Pass, int]]] = {}  # (group, n) -> rank -> (ready, p, index)
         self.meeting: dict[tuple[int, int], tuple] = {}  # (rank, index) -> its grouped collective's (group, n)
+        self.parts = split_parts(schedule)  # a compute pass's role -> the parts split out of it
+        self.part_time: dict[Role, float] = {}  # the durations of those parts, once placed
 
     def advance(self, rank: int) -> None:
         """Run what can run: the rank's collective stream, then its host, until both wait."""
@@ -163,19 +167,33 @@ class _Engine:
 
     def _place(self, rank: int, index: int, start: float) -> None:
         p = self.schedule.orders[rank][index]
-        end = start + self.duration(p)
+        took = self.duration(p)
+        if self.parts:
+            took = self._without_parts(p, took)
+        end = start + took
         if index == len(self.spans[rank]):
             self.spans[rank].append(Span(start, end))
         else:
             self.spans[rank][index] = Span(start, end)
-        stream = spec(p.kind).stream
-        if stream is Stream.COMPUTE:
+        kind = spec(p.kind)
+        if kind.blocks_compute:
             self.free[rank] = end
-        elif stream is Stream.COLLECTIVE:
+        elif kind.stream is Stream.COLLECTIVE:
             self.collective_free[rank] = end
         for role in roles(p):
             self.finished[role] = (end, rank)
             self.runnable.extend(self.waiting.pop(role, ()))
+
+    def _without_parts(self, p: Pass, took: float) -> float:
+        """A part's time is booked for the pass it is split out of; the pass keeps the rest (never below 0)."""
+        if spec(p.kind).part_of:
+            for role in roles(p):
+                self.part_time[role] = took
+            return took
+        for role in roles(p):
+            for part in self.parts.get(role, ()):
+                took -= self.part_time.get(part, 0.0)
+        return max(took, 0.0)
 
 
 PENDING = Span(float("nan"), float("nan"))  # a grouped collective issued before the rest of its group

@@ -4,9 +4,11 @@ Generators emit compute passes only (F, B, W, BW). Lowering passes (``lower.py``
 data-parallel actions of a chunk: gather its weights (UNSHARD), release them (RESHARD), reduce
 its gradients (REDUCE_GRAD); for those, ``microbatch`` counts the action's occurrences on its
 stage (0 for the first); REPLICA_SYNC (average a block's gradients with its other copy, on the
-rank that holds it) where the schedule keeps two copies of a block. What each kind needs, costs
-and frees is stated once, in
-``actions.py``. Which rank and model chunk run a stage comes from the placement; point-to-point
+rank that holds it) where the schedule keeps two copies of a block. Where the model has MoE
+layers, lowering also splits the expert-parallel all-to-all out of the passes that run it, as
+actions on (stage, microbatch) like the passes: A2A_F (dispatch and combine of the block's MoE
+layers) before its F, A2A_B (their backward) before its B or BW. What each kind needs, costs and
+frees is stated once, in ``actions.py``. Which rank and model chunk run a stage comes from the placement; point-to-point
 communication is derived from the dependencies (see ``comm.py``), never written by a generator.
 """
 
@@ -32,6 +34,8 @@ class PassKind(str, Enum):
     RESHARD = "RESHARD"  # release the gathered weights
     REDUCE_GRAD = "REDUCE_GRAD"  # reduce the chunk's gradients (data-parallel collective)
     REPLICA_SYNC = "REPLICA_SYNC"  # average the gradients of a block's two copies (with the rank holding the other)
+    A2A_F = "A2A_F"  # the expert-parallel all-to-alls of an F (dispatch + combine of every MoE layer of the block)
+    A2A_B = "A2A_B"  # their backward, in the B (or BW) of the same microbatch
 
     def __str__(self) -> str:
         return self.value
@@ -41,17 +45,24 @@ class PassKind(str, Enum):
         """A compute pass on (stage, microbatch); the others are per-stage actions added by lowering."""
         return self in _COMPUTE
 
+    @property
+    def per_microbatch(self) -> bool:
+        """An action on (stage, microbatch): a compute pass or a part split out of one (A2A_F, A2A_B)."""
+        return self in _PER_MICROBATCH
+
 
 _COMPUTE = frozenset({PassKind.F, PassKind.B, PassKind.W, PassKind.BW})
+_PER_MICROBATCH = _COMPUTE | {PassKind.A2A_F, PassKind.A2A_B}
 _new = object.__new__
-_PASS_TEXT = re.compile(r"^(BW|F|B|W) s(\d+) mb(\d+)(?: d(\d+))?$")
+_PASS_TEXT = re.compile(r"^(BW|F|B|W|A2A_F|A2A_B) s(\d+) mb(\d+)(?: d(\d+))?$")
 _ACTION_TEXT = re.compile(r"^(UNSHARD|RESHARD|REDUCE_GRAD|REPLICA_SYNC) s(\d+)(?: #(\d+))?(?: d(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
 class Pass:
     """One action. ``stage`` is the layer block in its pipe (0 .. pp*chunks-1); ``microbatch`` is
-    the microbatch of a compute pass, and the occurrence (0, 1, ...) of a per-stage action."""
+    the microbatch of a compute pass (or of a part of one), and the occurrence (0, 1, ...) of a
+    per-stage action."""
 
     kind: PassKind
     stage: int
@@ -60,7 +71,7 @@ class Pass:
 
     def __str__(self) -> str:
         suffix = f" d{self.pipe}" if self.pipe else ""
-        if not self.kind.is_compute:
+        if not self.kind.per_microbatch:
             occurrence = f" #{self.microbatch}" if self.microbatch else ""
             return f"{self.kind.value} s{self.stage}{occurrence}{suffix}"
         return f"{self.kind.value} s{self.stage} mb{self.microbatch}{suffix}"

@@ -104,7 +104,7 @@ def _next_start(end: Sequence[float], t_comm: float, step_time: float, post_vali
 
 def repeat(schedule: Schedule, iterations: int, label: str = "") -> Schedule:
     """One schedule running ``iterations`` copies of the orders, microbatches offset by k*m."""
-    if any(not p.kind.is_compute for order in schedule.orders for p in order):
+    if any(not p.kind.per_microbatch for order in schedule.orders for p in order):  # the all-to-alls repeat
         raise ScheduleError(
             f"{schedule.name}: iterations back to back are simulated on the compute schedule; lower each "
             "iteration's data-parallel actions separately"

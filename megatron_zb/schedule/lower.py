@@ -1,7 +1,7 @@
-"""Lowering: the data-parallel actions of a schedule, added to the compute passes a generator emits.
+"""Lowering: the actions of a schedule beyond the compute passes a generator emits.
 
 Generators never write these; the runtime, the simulator and the CLI lower a schedule with the
-data-parallel setting of the run (``DataParallel``):
+data-parallel setting of the run (``DataParallel``) and its costs:
 
 - ``add_reduce_grad``: one REDUCE_GRAD per stage, right after the pass that completes its weight
   gradients (its last W or BW). That is where the chunk's gradient reduction starts (megatron
@@ -14,13 +14,21 @@ data-parallel setting of the run (``DataParallel``):
   of the rank in between; a W needs no weights and may run outside any window), released right
   after the run; each UNSHARD is issued ``prefetch`` compute passes before its run starts, so
   the gather overlaps them.
+- ``add_all_to_all`` (last): where a stage runs expert-parallel all-to-alls (``CostModel.t_a2a``),
+  each F is split into its all-to-alls (A2A_F, dispatch and combine of the block's MoE layers)
+  and the rest, and each B or BW likewise (A2A_B). The all-to-all goes first: it waits for what
+  the pass waits for, holds the compute stream (megatron-core's dispatcher is synchronous) and
+  the rest follows, so a schedule without overlap keeps its timeline, the all-to-all's share
+  now visible. The runtime still runs the all-to-all inside the pass (the action only books its
+  time); a pass kind that overlaps one microbatch's all-to-all with another's compute will move
+  these actions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .actions import spec
+from .actions import PARTS, spec
 from .costs import CostModel
 from .ir import Pass, PassKind, Schedule, ScheduleError
 from .simulate import simulate
@@ -48,6 +56,7 @@ def lower(schedule: Schedule, data_parallel: DataParallel, costs: CostModel | No
 
     A schedule that keeps two copies of blocks (``Schedule.shared``) always gets their
     REPLICA_SYNCs (``costs`` order them); the data-parallel reduction of such a block follows it.
+    ``costs`` with all-to-all times also split the all-to-alls out of the passes (``add_all_to_all``).
     """
     if any(not p.kind.is_compute for order in schedule.orders for p in order):
         raise ScheduleError(f"{schedule.name} is already lowered: lower the compute schedule a generator returned")
@@ -57,7 +66,35 @@ def lower(schedule: Schedule, data_parallel: DataParallel, costs: CostModel | No
         schedule = add_gathers(schedule, data_parallel.gather == "windows", data_parallel.prefetch)
     if data_parallel.reduce_grad:
         schedule = add_reduce_grad(schedule)
+    if costs is not None and costs.has_all_to_all:  # last: each right before its pass, inside its window
+        schedule = add_all_to_all(schedule, costs)
     return schedule
+
+
+def add_all_to_all(schedule: Schedule, costs: CostModel) -> Schedule:
+    """Every F (B, BW) of a stage with all-to-all time (``costs.t_a2a``, ``t_a2a_b``) preceded by its all-to-all.
+
+    The schedule comes back as it is where no stage has any. The all-to-all of a BW is the backward
+    one (its B part's). Right before its pass, it lies in the pass's gather window, if any.
+    """
+    if costs.pp != schedule.pp:
+        raise ScheduleError(f"cost model is for pp={costs.pp}, schedule {schedule.name} has pp={schedule.pp}")
+    if any(spec(p.kind).part_of for order in schedule.orders for p in order):
+        raise ScheduleError(f"{schedule.name} already has its all-to-alls split out of its passes")
+    if not costs.has_all_to_all:
+        return schedule
+    orders = []
+    for order in schedule.orders:
+        lowered: list[Pass] = []
+        for p in order:
+            stage = schedule.placements[p.pipe].full_stage(p.stage)
+            for role in spec(p.kind).roles:
+                part = PARTS.get(role)
+                if part is not None and any(getattr(costs, name)[stage] > 0 for name in spec(part).time):
+                    lowered.append(Pass(part, p.stage, p.microbatch, p.pipe))
+            lowered.append(p)
+        orders.append(tuple(lowered))
+    return replace(schedule, orders=tuple(orders))
 
 
 def add_replica_sync(schedule: Schedule, costs: CostModel | None = None) -> Schedule:

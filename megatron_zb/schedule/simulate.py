@@ -3,9 +3,11 @@
 Both bubble metrics are reported. Stage-span bubble measures each rank from its first to
 its last pass (iterations may overlap across ranks, as with optimizer post-validation);
 makespan bubble measures from the first pass anywhere to the last one (a synchronizing
-optimizer step ends every iteration). Either is the idle fraction of rank-time. Work is
-compute: collectives run beside it on their own stream, and count only where something waits
-for them (a span ends when the rank's last action, a gradient reduction included, ends).
+optimizer step ends every iteration). Either is the idle fraction of rank-time. Work is what
+holds the compute stream: the compute passes and the all-to-alls split out of them (so splitting
+them out changes no bubble); collectives run beside it on their own stream, and count only where
+something waits for them (a span ends when the rank's last action, a gradient reduction included,
+ends).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Timeline:
 
     @property
     def work(self) -> tuple[float, ...]:
-        return tuple(sum(t.end - t.start for t in rank if t.pass_.kind.is_compute) for rank in self.ranks)
+        return tuple(sum(t.end - t.start for t in rank if spec(t.pass_.kind).blocks_compute) for rank in self.ranks)
 
     @property
     def makespan(self) -> float:
@@ -51,9 +53,9 @@ class Timeline:
         return max(ends, default=0.0) - min(starts, default=0.0)
 
     def rank_span(self, rank: int) -> float:
-        """From the rank's first compute pass (or the gather it waited for) to its last action's end."""
+        """From the rank's first work (or the gather it waited for) to its last action's end."""
         passes = self.ranks[rank]
-        first = next((i for i, t in enumerate(passes) if t.pass_.kind.is_compute), None)
+        first = next((i for i, t in enumerate(passes) if spec(t.pass_.kind).blocks_compute), None)
         if first is None:
             return 0.0
         start = passes[first].start

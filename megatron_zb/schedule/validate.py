@@ -3,7 +3,8 @@ within the memory limit. Each issue names the rank, the pass, its microbatch and
 
 Per-stage actions (lowering's gathers, releases and gradient reductions) are checked too:
 numbered in order, windows opened before they are closed, no pass on released weights, a
-reduction after every weight gradient of its stage.
+reduction after every weight gradient of its stage; and the all-to-alls split out of passes:
+each once, on its pass's rank, before its pass.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _placement_issues(schedule: Schedule) -> list[Issue]:
                 issues.append(Issue("range", f"rank {rank} runs {p}: no pipe {p.pipe}", rank, p))
             elif not 0 <= p.stage < schedule.num_stages(p.pipe):
                 issues.append(Issue("range", f"rank {rank} runs {p}: no stage {p.stage}", rank, p))
-            elif not p.kind.is_compute:
+            elif not p.kind.per_microbatch:
                 if p.microbatch < 0:
                     issues.append(Issue("range", f"rank {rank} runs {p}: occurrence below 0", rank, p))
                 elif schedule.rank_of(p) != rank:
@@ -169,14 +170,19 @@ def _coverage_issues(schedule: Schedule) -> list[Issue]:
 
 
 def _action_issues(schedule: Schedule) -> list[Issue]:
-    """Per-stage actions: each occurrence once and numbered in order, gathers and releases alternating."""
+    """Per-stage actions: each occurrence once and numbered in order, gathers and releases alternating;
+    parts of passes (all-to-alls) once each."""
     issues = []
+    parts = Counter(p for order in schedule.orders for p in order if spec(p.kind).part_of)
+    for p, count in parts.items():
+        if count > 1:
+            issues.append(Issue("once", f"{p} runs {count} times; a pass's all-to-all is split out of it once"))
     for rank, order in enumerate(schedule.orders):
         seen: dict[tuple, int] = {}  # (kind, pipe, stage) -> occurrences so far
         gathered: dict[tuple[int, int], Pass] = {}
         for i, p in enumerate(order):
             kind = spec(p.kind)
-            if p.kind.is_compute:
+            if p.kind.per_microbatch:
                 continue
             key = (p.pipe, p.stage)
             expected = seen.get((p.kind, p.pipe, p.stage), 0)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 
 from ..runtime.profiler import CallRecord, PassRecord
 from ..schedule import Pass, PassKind, Schedule
+from ..schedule.actions import spec
 from ..schedule.simulate import Timeline
 
 
@@ -49,18 +50,23 @@ class IdleBreakdown:
 def planned_gaps(timeline: Timeline, rank: int) -> dict[Pass, float]:
     """The simulated idle time right before each of ``rank``'s passes (from the timeline's start)."""
     origin = min((t.start for passes in timeline.ranks for t in passes), default=0.0)
-    gaps, previous = {}, origin
+    gaps, previous, carried = {}, origin, 0.0
     for t in timeline.ranks[rank]:
-        if t.pass_.kind.is_compute:  # collectives run on their own stream
-            gaps[t.pass_] = t.start - previous
-            previous = t.end
+        kind = spec(t.pass_.kind)
+        if not kind.blocks_compute:  # collectives run on their own stream
+            continue
+        gap, previous = carried + t.start - previous, t.end
+        if kind.part_of:  # an all-to-all split out of the pass after it runs inside it: its wait is that pass's
+            carried = gap
+            continue
+        gaps[t.pass_], carried = gap, 0.0
     return gaps
 
 
 def predicted(timeline: Timeline, rank: int) -> IdleBreakdown:
     """The plan's breakdown: span from the timeline's start to the rank's last pass, idle all planned."""
     origin = min((t.start for passes in timeline.ranks for t in passes), default=0.0)
-    passes = [t for t in timeline.ranks[rank] if t.pass_.kind.is_compute]
+    passes = [t for t in timeline.ranks[rank] if spec(t.pass_.kind).blocks_compute]
     span = passes[-1].end - origin if passes else 0.0
     compute = sum(t.end - t.start for t in passes)
     return IdleBreakdown(span, compute, span - compute, 0.0, 0.0, 0.0, 0.0)

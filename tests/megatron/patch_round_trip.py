@@ -140,6 +140,7 @@ def _import_all() -> None:
         "megatron_zb.cpu",
         "megatron_zb.megatron.install",
         "megatron_zb.runtime.linear_split",
+        "megatron_zb.runtime.expert_comm",
         "megatron_zb.training.collectives",
         "megatron_zb.training.watchdog",
     ):
@@ -171,7 +172,7 @@ def enable_everything(metrics_file: str) -> tuple[list, list]:
     """Every patch megatron-zb makes in this venv: (the registry's entries in force, the collective scopes)."""
     import megatron_zb
     from megatron_zb import patching
-    from megatron_zb.runtime import linear_split
+    from megatron_zb.runtime import expert_comm, linear_split
 
     if has_megatron_lm():
         from megatron.training import training
@@ -186,6 +187,7 @@ def enable_everything(metrics_file: str) -> tuple[list, list]:
         cpu.enable()
     megatron_zb.install()
     linear_split.install()
+    expert_comm.install()
     if has_megatron_lm():
         validation.check_flags_before_init()
         pretrain._write_metrics(training, metrics_file)

@@ -13,6 +13,7 @@ import pytest
 from megatron_zb.runtime.profiler import CallRecord, PassRecord, stage_sums
 from megatron_zb.schedule import CostModel, ScheduleSpec, build, simulate
 from megatron_zb.schedule.ir import BW, B, F, W
+from megatron_zb.schedule.lower import DataParallel, lower
 from megatron_zb.training import idle
 
 UNIT = CostModel(2, (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), 0.0)
@@ -36,6 +37,16 @@ def test_planned_gaps_are_the_simulated_idle_before_each_pass():
 def test_prediction_is_compute_and_planned_wait_only():
     timeline = simulate(ONE_F_ONE_B, UNIT)
     assert idle.predicted(timeline, 0) == idle.IdleBreakdown(9.0, 6.0, 3.0, 0.0, 0.0, 0.0, 0.0)
+    assert idle.predicted(timeline, 1) == idle.IdleBreakdown(7.0, 6.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_an_all_to_all_split_out_of_its_pass_leaves_the_gaps_and_the_prediction_as_they_were():
+    """With expert-parallel all-to-all time (``--cost-a2a``) lowering splits it out of each F and BW; at run time it
+    runs inside the pass, so the wait before it is that pass's and its time is compute."""
+    moe = CostModel(2, (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), 0.0, t_a2a=0.25)
+    timeline = simulate(lower(ONE_F_ONE_B, DataParallel(reduce_grad=False), moe), moe)
+    assert {t.pass_.kind.value for t in timeline.ranks[0]} == {"A2A_F", "F", "A2A_B", "BW"}
+    assert idle.planned_gaps(timeline, 0) == {F(0, 0): 0.0, F(0, 1): 0.0, BW(0, 0): 2.0, BW(0, 1): 1.0}
     assert idle.predicted(timeline, 1) == idle.IdleBreakdown(7.0, 6.0, 1.0, 0.0, 0.0, 0.0, 0.0)
 
 
