@@ -14,7 +14,7 @@ with what it replaced, under the scope that made it, and ``undo(scope)`` puts th
   ``megatron_lm.cpu.disable()``.
 - ``megatron-lm``: what the ``--megatron-lm`` launcher sets for one ``pretrain()`` (the ``--metrics-file``
   hook on ``training_log``, the script's ``is_distributed``), undone when it returns.
-- ``collectives:<wrapper>``: one per active ``training.collectives.CollectiveWrapper`` (the watchdog's
+- ``collectives:<wrapper>``: one per active ``runtime.collective_wrapper.CollectiveWrapper`` (the watchdog's
   and the trace recorder's), started and stopped by its owner.
 
 Undone in any order, the originals come back exactly: an entry replaced since by another recorded

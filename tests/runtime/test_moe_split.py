@@ -319,3 +319,100 @@ def expert_parallel_case(dispatcher: str, shared: bool) -> dict:
         linear_split.uninstall()
         MoEAuxLossAutoScaler.main_loss_backward_scale = None  # the plain backward's 0-d tensor (fresh_aux_loss_scale)
         destroy_model_parallel()
+
+
+def test_overlapped_forward_and_backward_equal_the_plain_passes(pool) -> None:
+    """One microbatch's forward beside another's backward (runtime/overlap.py), expert parallelism 2: the losses
+    and every gradient equal the same passes one after the other, bit for bit; the backward's collectives ran
+    on the twin groups, the forward's on megatron-core's own."""
+    results = pool.run(overlapped_case)
+    for rank, found in enumerate(results):
+        assert found["local_experts"] == 2, rank  # 4 experts over 2 ranks: the all-to-all crosses ranks
+        assert found["losses"] == found["reference_losses"], rank
+        assert found["differ"] == [], rank
+        assert found["twin_calls"] > 0 and found["own_calls"] > 0, (rank, found)
+
+
+def overlapped_case() -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_zb.process_groups import destroy_model_parallel
+    from megatron_zb.runtime import overlap
+
+    destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    linear_split.install()
+    pair = overlap.PairCollectives()
+    try:
+        model = moe_gpt(moe_config("alltoall", True, 1))
+        generator = torch.Generator().manual_seed(20 + dist.get_rank())
+        data = [{**batch(), "tokens": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)} for _ in range(2)]
+
+        def plain() -> tuple[list[float], dict]:
+            store, values = WeightGradStore(), []
+            for microbatch in (0, 1):  # F0 B0 W0 F1 B1 W1: the order the pair below keeps for the math
+                with store.recording():
+                    value = loss(model, data[microbatch])
+                with store.deferring((0, microbatch)):
+                    value.backward()
+                store.run((0, microbatch))
+                values.append(value.item())
+            return values, grads(model)
+
+        reference_losses, reference = plain()
+        model.zero_grad(set_to_none=True)
+
+        groups = [
+            None,
+            parallel_state.get_expert_model_parallel_group(),
+            parallel_state.get_expert_tensor_and_model_parallel_group(),
+            parallel_state.get_tensor_and_context_parallel_group(),
+            parallel_state.get_tensor_model_parallel_group(),
+        ]
+        twins = overlap.Twins.create(groups)
+        calls = {"twin": 0, "own": 0}
+        seen = pair._call
+
+        def counted(op, original, bound, args, kwargs):
+            side = getattr(overlap._side, "value", None)
+            if side is not None:
+                calls["twin" if side.twins is not None else "own"] += 1
+            return seen(op, original, bound, args, kwargs)
+
+        pair._call = counted
+        pair.start()
+        store = WeightGradStore()
+        with store.recording():
+            first = loss(model, data[0])
+
+            def forward() -> torch.Tensor:
+                return loss(model, data[1])
+
+            def backward() -> None:
+                with store.deferring((0, 0)):
+                    first.backward()
+
+            second, _ = overlap.run_pair(forward, backward, twins, pair)
+        store.run((0, 0))
+        with store.deferring((0, 1)):
+            second.backward()
+        store.run((0, 1))
+        store.check_empty()
+        pair.stop()
+        differ = [name for name, grad in grads(model).items() if not torch.equal(grad, reference[name])]
+        return {
+            "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
+            "losses": [first.item(), second.item()],
+            "reference_losses": reference_losses,
+            "differ": differ,
+            "twin_calls": calls["twin"],
+            "own_calls": calls["own"],
+        }
+    finally:
+        if pair.active:
+            pair.stop()
+        linear_split.uninstall()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        destroy_model_parallel()

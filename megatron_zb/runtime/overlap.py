@@ -1,0 +1,132 @@
+"""Two passes of one rank at once: one microbatch's forward beside another's backward (DualPipe's overlapped
+F&B), so the collectives each runs inside it (MoE's expert-parallel all-to-all) wait while the other computes.
+
+One compute stream, as on a GPU: the two run in two threads that take turns computing. A lock is held
+while a side computes and let go while one of its collectives waits, so only communication overlaps
+compute, and each side's math is that of its plain pass. The backward side's collectives go to process
+groups of their own (``Twins``: the same ranks, made on every rank beforehand), because the collectives
+of one group must come in one order on all its ranks, and the two sides interleave differently on each
+rank. A collective of the backward side on a group without a twin raises, naming it, instead of hanging.
+
+Both sides must have their inputs (received activations, gradients) before the pair starts, and their
+outputs are sent after it ends: a pair is one step of the rank's program. What both sides share is
+safe as used by the executor's passes: the W queue's recording mode is entered once around the pair,
+the forward never defers work, and no side recomputes (a recomputed forward inside the backward would
+run the MoE dispatcher's per-call state beside the other side's forward): ``run_pair`` refuses nothing
+of that itself; the planner pairs passes only where it holds.
+
+Not yet wired into the executor, the IR or the planner: tested on its own (tests/runtime/test_overlap_pair.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .collective_wrapper import CollectiveWrapper
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+class Twins:
+    """A second process group for each group a pair's backward uses: the same ranks, its own order."""
+
+    def __init__(self, twins: dict[tuple[int, ...], dist.ProcessGroup]):
+        self._twins = twins
+
+    @classmethod
+    def create(cls, groups: Iterable[dist.ProcessGroup | None]) -> Twins:
+        """Collective over the default group: every rank names its groups (None: the default group); each
+        distinct rank list of any rank gets a twin, made by every rank in one order, as ``new_group`` needs."""
+        mine = sorted({tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) for group in groups})
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        me, twins = dist.get_rank(), {}
+        for ranks in sorted({ranks for lists in everyone for ranks in lists}):
+            group = dist.new_group(list(ranks))
+            if me in ranks:
+                twins[ranks] = group
+        return cls(twins)
+
+    def of(self, group: dist.ProcessGroup | None, collective: str) -> dist.ProcessGroup:
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        if ranks not in self._twins:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: {collective} on the group of ranks {list(ranks)} inside an overlapped "
+                "forward and backward, but that group has no twin (Twins.create was not given it)"
+            )
+        return self._twins[ranks]
+
+
+class _Side:
+    def __init__(self, turn: threading.Lock, twins: Twins | None):
+        self.turn, self.twins = turn, twins
+
+
+_side = threading.local()  # .value: the _Side of the pair this thread runs, if any
+
+
+class PairCollectives(CollectiveWrapper):
+    """While active, a collective called by a side of a pair lets the other side compute while it waits (and,
+    on the backward side, runs on the group's twin); every other call goes straight through."""
+
+    marker = "_pair_collectives"
+
+    def _call(self, op: str, original, bound: Callable[[], dict], args: tuple, kwargs: dict):
+        side: _Side | None = getattr(_side, "value", None)
+        if side is None:
+            return original(*args, **kwargs)
+        arguments = bound()
+        if arguments.get("async_op"):
+            raise RuntimeError(f"{op} with async_op=True inside an overlapped forward and backward")
+        if side.twins is not None:
+            kwargs = {**arguments, "group": side.twins.of(arguments.get("group"), op)}
+            args = ()
+        side.turn.release()  # the other side computes while this one waits
+        try:
+            return original(*args, **kwargs)
+        finally:
+            side.turn.acquire()
+
+
+@contextmanager
+def _as_side(side: _Side) -> Iterator[None]:
+    _side.value = side
+    side.turn.acquire()
+    try:
+        yield
+    finally:
+        side.turn.release()
+        _side.value = None
+
+
+def run_pair(
+    forward: Callable[[], A], backward: Callable[[], B], twins: Twins, wrapper: PairCollectives
+) -> tuple[A, B]:
+    """``forward()`` in this thread beside ``backward()`` in another, taking turns to compute (see the module)."""
+    if not wrapper.active:
+        raise RuntimeError("start the PairCollectives first: the collectives must let the other side compute")
+    turn = threading.Lock()
+    results: list[Any] = [None, None]
+    errors: list[BaseException | None] = [None, None]
+
+    def run(index: int, work: Callable, side: _Side) -> None:
+        try:
+            with _as_side(side):
+                results[index] = work()
+        except BaseException as error:  # re-raised in the caller's thread
+            errors[index] = error
+
+    other = threading.Thread(target=run, args=(1, backward, _Side(turn, twins)), name="overlapped-backward")
+    other.start()
+    run(0, forward, _Side(turn, None))
+    other.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results[0], results[1]
