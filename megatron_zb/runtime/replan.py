@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..schedule import CostModel, Schedule, ScheduleError, schedule_from_data, schedule_to_data, simulate
 from ..schedule.costs import ALL_TO_ALL, ENDS
 from ..schedule.costs_file import MeasuredCosts, save_costs
-from .profiler import PassProfiler, add_sums, agreed_cost_model, stage_sums
+from .profiler import PassProfiler, add_sums, agreed_cost_model, block_sums, stage_sums
 
 log = logging.getLogger("megatron_zb.replan")
 
@@ -93,6 +93,7 @@ class Replanner:
         self.calls = 0
         self.profiler = PassProfiler()
         self.sums: dict[tuple[str, int], tuple[float, int]] = {}
+        self.blocks: dict[tuple[str, int], tuple[float, int]] = {}  # per block: what the ends add (t_f_ends, ...)
         self.report: ReplanReport | None = None
 
     def begin(self, device: torch.device) -> PassProfiler | None:
@@ -108,6 +109,7 @@ class Replanner:
         """Fold the timed call's passes in; True after the window's last call."""
         self.profiler.stop()
         add_sums(self.sums, stage_sums(self.profiler.records, schedule))
+        add_sums(self.blocks, block_sums(self.profiler.records))
         self.profiler.records.clear()
         return self.calls == self.window.end
 
@@ -122,7 +124,9 @@ class Replanner:
         memory_limit: float | None = None,
     ) -> tuple[Schedule, CostModel]:
         """The schedule every rank runs from now on, and the measured costs (collective over all ranks)."""
-        seconds = agreed_cost_model(self.sums, current, pipeline, boundary_shape, dtype, self.profiler.device)
+        seconds = agreed_cost_model(
+            self.sums, current, pipeline, boundary_shape, dtype, self.profiler.device, blocks=self.blocks
+        )
         costs = _milliseconds(seconds, planned_costs)
         payload: list = [None]
         if dist.get_rank() == 0:
