@@ -186,7 +186,7 @@ def replan_bitpipe_zb(m: int) -> dict:
     current = build("bitpipe-zb", ScheduleSpec(2, m))
     measured = CostModel(2, t_f=(3e-3, 1e-3), t_b=(3e-3, 1e-3), t_w=(0.9e-3, 0.3e-3), t_comm=0.5e-3)  # seconds
     agreed = replan.agreed_cost_model
-    replan.agreed_cost_model = lambda *_: measured  # what timing the window would have agreed on
+    replan.agreed_cost_model = lambda *_, **__: measured  # what timing the window would have agreed on
     try:
         replanner = replan.Replanner(replan.ReplanWindow(1, 1))
         chosen, _ = replanner.replan(
