@@ -62,6 +62,33 @@ def prepare_args(args: argparse.Namespace, placement: Placement, schedule: str) 
     args.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
 
 
+def serial_checkpoint_copies(args: argparse.Namespace, placement: Placement) -> str | None:
+    """Turn off Megatron-LM's fully parallel checkpoint save and load where ``placement`` keeps both embedding
+    copies (tied output layer, MTP) on one rank and data parallelism splits the save; the note to print, or None.
+
+    megatron-core's fully parallel save gives each (key, offset) one saving rank in the data-parallel group and
+    marks every local entry of that key as the main replica: the output chunk's copy is saved under the embedding's
+    key, so the chosen rank would save it twice and the sharding check refuses the checkpoint. The plain save
+    marks the copy as a replica, as the last stage's copy is on megatron's own placement; the checkpoint is the
+    same (the save is spread over the data-parallel ranks no more).
+    """
+    if placement.num_stages < 2 or placement.rank_of(0) != placement.rank_of(placement.num_stages - 1):
+        return None
+    copies = not getattr(args, "untie_embeddings_and_output_weights", False) or getattr(args, "mtp_num_layers", None)
+    splits = (getattr(args, "data_parallel_size", 1) or 1) * (getattr(args, "context_parallel_size", 1) or 1) > 1
+    fields = {"--save": "ckpt_fully_parallel_save", "--load": "ckpt_fully_parallel_load"}
+    given = [field for flag, field in fields.items() if getattr(args, field, False) and getattr(args, flag[2:], None)]
+    if not (copies and splits and given):
+        return None
+    for field in given:
+        setattr(args, field, False)
+    return (
+        f"{' and '.join(field.replace('_', '-') for field in given)} turned off: this placement keeps the embedding "
+        "and its tied copy on one rank, and megatron-core's fully parallel save would write that copy twice "
+        "(checkpoints are the same, written by the first data-parallel rank)"
+    )
+
+
 # Megatron-LM's fields of the first and the last pipeline stage's layer counts: on a placement megatron does not
 # build itself they are the first and the last layer block's (``prepare_args``)
 ENDS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")

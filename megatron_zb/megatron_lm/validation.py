@@ -11,7 +11,7 @@ import sys
 
 from .. import patching
 from ..megatron.args import schedule_settings, zero_bubble_notes
-from ..megatron.megatron_mapping import PADDED_NOTE, pad_by_megatron_split, prepare_args
+from ..megatron.megatron_mapping import PADDED_NOTE, pad_by_megatron_split, prepare_args, serial_checkpoint_copies
 from ..training.checks import writable_file
 
 
@@ -49,11 +49,11 @@ def _checked(validate_args):
         found = validate_args(args, *rest, **kwargs)
         checked = found if found is not None else args
         try:
-            check_zero_bubble(checked)
+            notes = check_zero_bubble(checked)
         except ValueError as error:
             raise SystemExit(f"megatron-zb: {error}") from None
         if getattr(checked, "rank", 0) == 0:
-            for note in zero_bubble_notes(checked):
+            for note in [*notes, *zero_bubble_notes(checked)]:
                 print(f"megatron-zb: note: {note}", file=sys.stderr, flush=True)
         return found
 
@@ -75,11 +75,12 @@ def pad_layers(args: argparse.Namespace) -> bool:
     return pad_by_megatron_split(args, settings.placement, settings.schedule)
 
 
-def check_zero_bubble(args: argparse.Namespace) -> None:
-    """megatron-zb's checks of Megatron-LM's validated arguments; sets what a foreign placement needs (V)."""
+def check_zero_bubble(args: argparse.Namespace) -> list[str]:
+    """megatron-zb's checks of Megatron-LM's validated arguments; sets what a foreign placement needs (V). The
+    notes to print: what was set."""
     settings = schedule_settings(args)
     if settings is None:
-        return
+        return []
     if settings.costs_file:
         writable_file("--zero-bubble-save-costs", settings.costs_file)
     if len(settings.placements) > 1:
@@ -88,3 +89,5 @@ def check_zero_bubble(args: argparse.Namespace) -> None:
             "get_model builds one: run it with `megatron-zb train` (megatron-zb's own training loop)"
         )
     prepare_args(args, settings.placement, settings.schedule)
+    note = serial_checkpoint_copies(args, settings.placement)
+    return [note] if note else []

@@ -154,14 +154,19 @@ def test_resume_from_iteration_5_reproduces_6_to_10(tmp: Path, case: str, refere
 def test_moe_line_under_zb_1p_and_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> None:
     """MoE layers through Megatron-LM's pretrain(): the losses and grad norms of zb-1p and zb-v equal megatron-core's
     1F1B of the same line from the same weights (the experts' weight gradients deferred to W, the aux loss scaled on
-    every stage as megatron-core's schedule scales it, the all-to-alls over expert-parallel ranks)."""
-    rows = {}
+    every stage as megatron-core's schedule scales it, the all-to-alls over expert-parallel ranks). zb-v saves at
+    iteration 5: its rank 0 holds the embedding and the tied output copy, which megatron-core's fully parallel save
+    over 2 data-parallel ranks would write twice (refused by its sharding check), so the plain save writes it."""
+    rows, saved = {}, tmp / "moe-zb-v-ckpt"
     for case, flags in MOE_CASES.items():
         metrics = tmp / f"{case}.jsonl"
-        done = launch(f"{MOE} {flags}", metrics, "--train-iters", str(ITERATIONS), processes=4)
+        save = ("--save", str(saved), "--save-interval", "5") if case == "moe-zb-v" else ()
+        done = launch(f"{MOE} {flags}", metrics, "--train-iters", str(ITERATIONS), *save, processes=4)
         assert done.returncode == 0, done.stderr[-4000:]
         assert "--moe-grouped-gemm left out" in done.stderr and "SequentialMLP" in done.stderr
+        assert ("ckpt-fully-parallel-save turned off" in done.stderr) == bool(save), case
         rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+    assert (saved / "iter_0000005").is_dir() and (saved / "latest_checkpointed_iteration.txt").read_text() == "10"
     reference = rows["moe-1f1b"]
     assert sorted(reference) == list(range(1, ITERATIONS + 1))
     assert reference[ITERATIONS]["loss"] < reference[1]["loss"]
@@ -171,6 +176,35 @@ def test_moe_line_under_zb_1p_and_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> 
             found = rows[case][iteration]
             assert found["loss"] == pytest.approx(row["loss"], rel=1e-5), (case, iteration)
             assert found["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), (case, iteration)
+
+
+# A DeepSeek-style MoE line: fine-grained experts (8 of FFN size 16, top-3), a gated shared expert, the first layer
+# dense, the allgather dispatcher, the per-sequence aux loss, sigmoid routing with the expert bias Megatron-LM's
+# finalize_model_grads updates after each step; expert parallelism 1 on pp 2 (2 gloo processes)
+DEEPSEEK = (
+    "--num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 32 "
+    "--moe-shared-expert-gate --moe-layer-freq [0]+[1]*3 --moe-token-dispatcher-type allgather "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-2 --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 --disable-bias-linear "
+    f"--global-batch-size 8 {SAME_INIT}"
+)
+
+
+def test_deepseek_style_moe_line_under_v_auto_equals_megatron_cores_1f1b(tmp: Path) -> None:
+    """The second MoE model through pretrain(): v-auto (the planned V, rank 0 holding the dense first layer and the
+    last MoE layer) against megatron-core's 1F1B from the same weights, loss and grad norm of every iteration."""
+    rows = {}
+    for case, flags in {"deepseek-1f1b": "", "deepseek-v-auto": "--pipeline-schedule v-auto"}.items():
+        metrics = tmp / f"{case}.jsonl"
+        done = launch(f"{DEEPSEEK} {flags}", metrics, "--train-iters", str(ITERATIONS))
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+    reference, found = rows["deepseek-1f1b"], rows["deepseek-v-auto"]
+    assert sorted(reference) == sorted(found) == list(range(1, ITERATIONS + 1))
+    assert reference[ITERATIONS]["loss"] < reference[1]["loss"]
+    for iteration, row in reference.items():
+        assert found[iteration]["loss"] == pytest.approx(row["loss"], rel=1e-5), iteration
+        assert found[iteration]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), iteration
 
 
 # Multi-token prediction (one MTP layer; megatron-core refuses it with learned absolute positions): under the V the
@@ -243,6 +277,14 @@ def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: 
     assert done.returncode != 0
     assert "zb-v places its layer blocks itself" in done.stderr, done.stderr[-4000:]
     assert not (tmp / "v-layout.jsonl").exists()
+
+
+def test_two_pipe_schedule_is_refused_before_pretrain(tmp: Path) -> None:
+    """BitPipe keeps two copies of every layer block, one per pipe; Megatron-LM's get_model builds one pipe."""
+    done = launch("--pipeline-schedule bitpipe-zb", tmp / "bitpipe.jsonl", "--train-iters", "1")
+    assert done.returncode == 2, done.stderr[-4000:]
+    assert "bitpipe-zb runs 2 pipelines in opposite directions" in done.stderr, done.stderr[-4000:]
+    assert not (tmp / "bitpipe.jsonl").exists()
 
 
 def test_verify_through_the_checkout(tmp: Path) -> None:
