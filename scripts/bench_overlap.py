@@ -12,6 +12,7 @@ ranks. Only the all-to-all can overlap: the two sides take turns computing.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -110,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     from megatron_zb.testing.pool import WorkerPool
 
-    rows = []
+    rows, load = [], os.getloadavg()[0]
     pool = WorkerPool(2)
     try:
         for hidden, seq in SIZES:
@@ -126,7 +127,13 @@ def main() -> None:
             "# F beside B (overlapped passes) against F then B",
             "",
             f"Made by `python scripts/bench_overlap.py --repeat {args.repeat}` (see its docstring), "
-            f"{platform.machine()}, Python {platform.python_version()}.",
+            f"{platform.machine()}, {os.cpu_count()} cores, load average {load:.1f} at the start, "
+            f"Python {platform.python_version()}. Medians of both ranks' times; ratio above 1: the pair is slower.",
+            "",
+            "Only the all-to-all can overlap (the sides take turns computing), and on one CPU box gloo's loopback",
+            "all-to-all is a small share of a pass and runs on the same cores as the other side's compute: the",
+            "thread hand-offs cost more than it hides. Where the all-to-all crosses a network (GPUs, NCCL) the",
+            "balance differs; this table says nothing of it.",
             "",
             "| hidden | seq | rank | F then B (ms) | F beside B (ms) | ratio |",
             "|---|---|---|---|---|---|",
