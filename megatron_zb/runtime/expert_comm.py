@@ -92,31 +92,18 @@ class _Call:
         self.started = None
 
 
-class _BackwardEnds(torch.autograd.Function):
-    """Identity on a call's input: its backward runs right after the call's own backward."""
+class _Mark(torch.autograd.Function):
+    """Identity whose backward starts or ends a call's backward timing: on the call's output it runs right
+    before the call's own backward (``_Call.start``), on its input right after (``_Call.end``)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, call: _Call) -> torch.Tensor:
-        ctx.call = call
+    def forward(ctx, tensor: torch.Tensor, at: Callable[[], None]) -> torch.Tensor:
+        ctx.at = at
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.call.end()
-        return grad, None
-
-
-class _BackwardStarts(torch.autograd.Function):
-    """Identity on a call's output: its backward runs right before the call's own backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, call: _Call) -> torch.Tensor:
-        ctx.call = call
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.call.start()
+        ctx.at()
         return grad, None
 
 
@@ -132,7 +119,7 @@ def _timed(original: Callable) -> Callable:
         output = original(*args, **kwargs)
         _add(clock() - start)
         if call is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            output = _BackwardStarts.apply(output, call)
+            output = _Mark.apply(output, call.start)
         return output
 
     return timed
@@ -145,8 +132,8 @@ def _mark_input(args: tuple, kwargs: dict) -> tuple[tuple, dict, _Call | None]:
         if isinstance(value, torch.Tensor):
             if not value.requires_grad:
                 return args, kwargs, None
-            return (*args[:index], _BackwardEnds.apply(value, call), *args[index + 1 :]), kwargs, call
+            return (*args[:index], _Mark.apply(value, call.end), *args[index + 1 :]), kwargs, call
     value = kwargs.get("input_")
     if isinstance(value, torch.Tensor) and value.requires_grad:
-        return args, {**kwargs, "input_": _BackwardEnds.apply(value, call)}, call
+        return args, {**kwargs, "input_": _Mark.apply(value, call.end)}, call
     return args, kwargs, None
