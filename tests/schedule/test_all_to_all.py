@@ -191,15 +191,7 @@ def test_plan_takes_an_expert_parallel_cost_and_names_the_actions(capsys):
     assert "t_a2a (--cost-a2a) of stage 0 is 1.5, more than t_f (--cost-f) 1" in capsys.readouterr().err
 
 
-# zbv_rounds.flat flattens t_f to its median over the stages and keeps t_a2a, which can then exceed it.
-FLATTENS_T_F = pytest.mark.xfail(
-    strict=True,
-    raises=ScheduleError,
-    reason="generators/zbv_rounds.flat must drop t_a2a/t_a2a_b (planners ignore them)",
-)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=FLATTENS_T_F) if n == "zb-v" else n for n in names()])
+@pytest.mark.parametrize("name", names())
 def test_planners_plan_the_same_schedule_with_all_to_all_costs(name):
     """The all-to-all is inside t_f and t_b: a planner of compute passes must plan exactly as without it."""
     times = dict(t_f=(1.0, 1.0, 0.5, 0.5), t_b=(1.0, 1.0, 0.5, 0.5), t_w=0.5)

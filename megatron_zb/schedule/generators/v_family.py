@@ -12,11 +12,15 @@ rank holds one early and one late block and memory is balanced across ranks.
 - zb-v plans at 1f1b's peak memory with the round heuristic of the ZB paper's ZB-V
   (zbv_rounds.py) and the list scheduler, seeded with the PyTorch-style ZB-V order and, with
   unequal stages, the rounds planned at the median stage costs: about zero bubble for
-  m >= 2pp. On large settings the rounds and the seed are planned for fewer microbatches and
-  their steady state stretched (extend.py).
+  m >= 2pp. The pick dominates that median plan on stage span and makespan, and its trailing
+  Ws go into idle gaps (v_tail.py). On large settings the rounds and the seed are planned for
+  fewer microbatches and their steady state stretched (extend.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
 
 from ..costs import CostModel
 from ..ir import Schedule, ScheduleError
@@ -26,10 +30,11 @@ from ..simulate import memory_levels
 from .extend import stretched
 from .greedy import ALL_SWITCHES
 from .result import Result, timed_codes
-from .search import Planner, Recipe, check_ceiling, eval_microbatches, plan, searched
+from .search import Move, Planner, Recipe, check_ceiling, eval_microbatches, plan, searched
 from .torch_style import zbv_codes
 from .v_blocks import PERIOD, as_passes, chunk_codes, plain_peak, repeated
 from .v_squeeze import squeezed_codes
+from .v_tail import sunk_tail
 from .zbv_rounds import V_ROUND_SWITCHES, RoundRuns, flat
 
 V_SWITCHES = tuple(s for s in ALL_SWITCHES if s.depth_first)  # breadth-first never won on the V
@@ -114,7 +119,8 @@ def flat_round_result(costs: CostModel, limit: float | None, m: int) -> Result |
     (the rounds then plan the same), when no setting plans, and on large settings: there the warm-up and
     the cool-down it improves weigh little, and it would add a tenth to zb-v's planning time."""
     planned, placement = flat(costs), v_shape(costs.pp)
-    if planned == costs or eval_microbatches(m, placement) < m:
+    same = all(getattr(planned, name) == getattr(costs, name) for name in ("t_f", "t_b", "t_w"))
+    if same or eval_microbatches(m, placement) < m:
         return None
     runs, chosen = RoundRuns(planned, limit), None
     for setting in V_ROUND_SWITCHES:
@@ -129,19 +135,44 @@ def flat_round_result(costs: CostModel, limit: float | None, m: int) -> Result |
     return timed_codes(runs(m, chosen[1]).codes, placement, costs, m)
 
 
+def dominating(anchor: Result | None) -> Callable[[Result], tuple]:
+    """A rank putting the candidates no worse than ``anchor`` on both stage span and makespan first, each
+    group by ``Result.score``: the pick is then never worse than the anchor on either (it ranks itself)."""
+    if anchor is None:
+        return Result.score
+    span, makespan, _ = anchor.score()
+    return lambda result: (result.score()[0] > span or result.score()[1] > makespan, *result.score())
+
+
+def sunk(result: Result | None, costs: CostModel) -> Result | None:
+    """``result`` with its trailing Ws in idle gaps (v_tail.py) where that shortens it, else itself."""
+    moved = None if result is None else sunk_tail(result, costs)
+    return result if moved is None or moved.score() >= result.score() else moved
+
+
 def zb_v(spec: ScheduleSpec) -> Recipe:
-    """The ZB-V rounds and the list scheduler at 1f1b's peak, seeded with the PyTorch-style ZB-V order."""
+    """The ZB-V rounds and the list scheduler at 1f1b's peak, seeded with the PyTorch-style ZB-V order.
+
+    Where the rounds planned at the median costs are a seed (the reference planner's plan, in our
+    code, on settings planned in full), the pick dominates that plan on stage span and makespan:
+    the shortest stage span alone may end later. The seeds, then the pick, have their trailing Ws
+    moved into idle gaps (v_tail.py), which shortens the ranks that end last.
+    """
     v_spec("zb-v", spec)
     limit, p, costs = one_f_one_b_peak(spec), spec.pp, spec.cost_model()
     planners = v_round_planners(costs, limit)
     seed = stretched(lambda n: zbv_codes(p, n), v_shape(p), costs, spec.microbatches)
-    seeds = [found for found in (seed, flat_round_result(costs, limit, spec.microbatches)) if found is not None]
-    return searched("zb-v", spec, v_shape(p), limit, seeds, planners, V_SWITCHES, lean=True)
+    anchor = flat_round_result(costs, limit, spec.microbatches)
+    seeds = [found for found in (seed, anchor) if found is not None]
+    if anchor is not None:  # ranked against the plain anchor, sunk: they may then dominate it
+        seeds = [sunk(found, costs) for found in seeds]
+    recipe = searched("zb-v", spec, v_shape(p), limit, seeds, planners, V_SWITCHES, lean=True)
+    return replace(recipe, rank=dominating(anchor), moves=(Move(lambda result: sunk_tail(result, costs)),))
 
 
 @register("v-min", "V-shape building block at about a third of 1f1b's memory (pp/3+1 stages)")
 def generate_v_min(spec: ScheduleSpec) -> Schedule:
-    check_ceiling("v-min", spec, (v_shape(spec.pp),))
+    check_ceiling("v-min", spec, (v_shape(spec.pp),))  # before the blocks are built and timed
     return plan(building_block("v-min", spec, v_min_offsets)[0])
 
 

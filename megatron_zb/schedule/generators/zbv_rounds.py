@@ -43,9 +43,10 @@ V_ROUND_SWITCHES = tuple(VRoundSwitches(*flags) for flags in product((True, Fals
 
 
 def flat(costs: CostModel) -> CostModel:
-    """The costs with each time the median over the stages (memory and the ends' extras kept)."""
+    """The costs with each time the median over the stages (memory and the ends' extras kept; no all-to-all,
+    which planners of compute passes do not read and which may exceed a median it was a part of)."""
     times = {name: [statistics.median(getattr(costs, name))] * costs.pp for name in ("t_f", "t_b", "t_w")}
-    return replace(costs, **times)
+    return replace(costs, **times, t_a2a=(0.0,), t_a2a_b=(0.0,))
 
 
 class Unready(ScheduleError):
