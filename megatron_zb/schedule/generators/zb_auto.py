@@ -22,7 +22,8 @@ from . import interleaved as interleaved_1f1b
 from . import one_f_one_b, zb_h1, zb_h2
 from .common import linear_schedule
 from .moves import defer, split_backward
-from .search import check_ceiling, plan, searched
+from .result import Result
+from .search import check_ceiling, large, plan, searched
 from .torch_style import interleaved_zb_passes
 from .zb_rounds import ROUND_SWITCHES, round_orders
 
@@ -55,10 +56,24 @@ def _search(name: str, spec: ScheduleSpec, limit: float | None) -> Schedule:
         return plan(searched(name, spec, placement, limit, interleaved_seeds(name, spec)))
     linear_schedule(name, spec, lambda r, p, m: [])  # refuses --chunks < 1
     check_ceiling(name, spec, (linear(spec.pp),))
-    seeds = [split(linear_schedule(name, spec, order)) for order in HANDMADE.values()]
+    seeds: list = [split(linear_schedule(name, spec, order)) for order in HANDMADE.values()]
     costs = spec.cost_model()
     planners = [(lambda m, s=setting: round_orders(costs, m, limit, s)) for setting in ROUND_SWITCHES]
+    if large(spec, linear(spec.pp)):  # a sample ranks them on it alone; planned for all they are cheap and
+        seeds += _planned(planners, spec.microbatches)  # settings that tie there may end apart (the makespan)
+        planners = []
     return plan(searched(name, spec, linear(spec.pp), limit, seeds, planners, lean=True))
+
+
+def _planned(planners: list[Callable[[int], Result]], m: int) -> list[Result]:
+    """Each planner's plan of all ``m`` microbatches, those that plan."""
+    found = []
+    for planner in planners:
+        try:
+            found.append(planner(m))
+        except ScheduleError:
+            continue
+    return found
 
 
 def split(schedule: Schedule) -> Schedule:
