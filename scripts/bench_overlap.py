@@ -27,28 +27,22 @@ def case(hidden: int, seq: int, repeat: int) -> dict[str, float]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_zb.process_groups import destroy_model_parallel
     from megatron_zb.runtime import linear_split, overlap
     from megatron_zb.runtime.wgrad import WeightGradStore
+    from megatron_zb.testing.moe import moe_config
 
     torch.set_num_threads(1)
     destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
     linear_split.install()
-    config = TransformerConfig(
+    config = moe_config(
         num_layers=2,
         hidden_size=hidden,
         num_attention_heads=8,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
         num_moe_experts=8,
-        moe_router_topk=2,
         moe_ffn_hidden_size=hidden,
-        moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=1e-2,
     )
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from megatron_zb.runtime import linear_split, te_wgrad
 from megatron_zb.runtime.wgrad import WeightGradStore
+from megatron_zb.testing import moe as testing_moe
 from megatron_zb.testing.parallel import one_gloo_rank
 
 SEQ, BATCH, VOCAB = 8, 2, 32
@@ -44,19 +45,12 @@ def fresh_aux_loss_scale(monkeypatch):
 
 @functools.cache
 def moe_config(dispatcher: str, shared: bool, layer_freq, gate: bool = False, extra: tuple = ()):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
+    return testing_moe.moe_config(
         **dict(extra),
         num_layers=2,  # one count for every case: megatron-core's aux-loss tracker is sized by the first
         hidden_size=16,
         num_attention_heads=2,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
         num_moe_experts=4,
-        moe_router_topk=2,
         moe_ffn_hidden_size=24,
         moe_token_dispatcher_type=dispatcher,
         moe_aux_loss_coeff=1e-2,

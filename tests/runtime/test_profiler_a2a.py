@@ -93,21 +93,16 @@ def profiled_moe_passes() -> dict:
 def _moe_gpt():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    from megatron_zb.testing.moe import moe_config
+
+    config = moe_config(
         num_layers=4,
         moe_layer_freq=[1, 0, 0, 0],  # one MoE layer: the all-to-all is a small part of the passes
         hidden_size=HIDDEN,
         num_attention_heads=2,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
         num_moe_experts=4,
-        moe_router_topk=2,
         moe_ffn_hidden_size=24,
-        moe_token_dispatcher_type="alltoall",
     )
     torch.manual_seed(0)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
