@@ -84,9 +84,13 @@ def launch(flags: str, metrics: Path, *extra: str, processes: int | None = None)
     return subprocess.run(command, capture_output=True, text=True, timeout=900)
 
 
+def metric_rows(metrics: Path) -> dict[int, dict]:
+    """The --metrics-file's rows by iteration."""
+    return {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+
+
 def losses(metrics: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {row["iteration"]: row["loss"] for row in rows}
+    return {iteration: row["loss"] for iteration, row in metric_rows(metrics).items()}
 
 
 @cache
@@ -101,6 +105,14 @@ def trained(case: str, tmp: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("megatron-lm")
+
+
+def assert_rows_equal(found: dict[int, dict], reference: dict[int, dict], keys: tuple[str, ...], case: str) -> None:
+    """The same iterations, and ``keys`` of each within 1e-5 relative of the reference's."""
+    assert sorted(found) == sorted(reference), case
+    for iteration, row in reference.items():
+        for key in keys:
+            assert found[iteration][key] == pytest.approx(row[key], rel=1e-5), (case, key, iteration)
 
 
 def assert_close(found: dict[int, float], reference: dict[int, float]) -> None:
@@ -165,17 +177,13 @@ def test_moe_line_under_zb_1p_and_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> 
         assert done.returncode == 0, done.stderr[-4000:]
         assert "--moe-grouped-gemm left out" in done.stderr and "SequentialMLP" in done.stderr
         assert ("ckpt-fully-parallel-save turned off" in done.stderr) == bool(save), case
-        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+        rows[case] = metric_rows(metrics)
     assert (saved / "iter_0000005").is_dir() and (saved / "latest_checkpointed_iteration.txt").read_text() == "10"
     reference = rows["moe-1f1b"]
     assert sorted(reference) == list(range(1, ITERATIONS + 1))
     assert reference[ITERATIONS]["loss"] < reference[1]["loss"]
     for case in ("moe-zb-1p", "moe-zb-v"):
-        assert sorted(rows[case]) == sorted(reference), case
-        for iteration, row in reference.items():
-            found = rows[case][iteration]
-            assert found["loss"] == pytest.approx(row["loss"], rel=1e-5), (case, iteration)
-            assert found["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), (case, iteration)
+        assert_rows_equal(rows[case], reference, ("loss", "grad_norm"), case)
 
 
 # A DeepSeek-style MoE line: fine-grained experts (8 of FFN size 16, top-3), a gated shared expert, the first layer
@@ -198,13 +206,11 @@ def test_deepseek_style_moe_line_under_v_auto_equals_megatron_cores_1f1b(tmp: Pa
         metrics = tmp / f"{case}.jsonl"
         done = launch(f"{DEEPSEEK} {flags}", metrics, "--train-iters", str(ITERATIONS))
         assert done.returncode == 0, done.stderr[-4000:]
-        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+        rows[case] = metric_rows(metrics)
     reference, found = rows["deepseek-1f1b"], rows["deepseek-v-auto"]
-    assert sorted(reference) == sorted(found) == list(range(1, ITERATIONS + 1))
+    assert sorted(reference) == list(range(1, ITERATIONS + 1))
     assert reference[ITERATIONS]["loss"] < reference[1]["loss"]
-    for iteration, row in reference.items():
-        assert found[iteration]["loss"] == pytest.approx(row["loss"], rel=1e-5), iteration
-        assert found[iteration]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), iteration
+    assert_rows_equal(found, reference, ("loss", "grad_norm"), "deepseek-v-auto")
 
 
 # Multi-token prediction (one MTP layer; megatron-core refuses it with learned absolute positions): under the V the
@@ -220,14 +226,11 @@ def test_mtp_under_zb_v_equals_megatron_cores_1f1b(tmp: Path) -> None:
         metrics = tmp / f"{case}.jsonl"
         done = launch(f"{MTP} {flags}", metrics, "--train-iters", str(ITERATIONS))
         assert done.returncode == 0, done.stderr[-4000:]
-        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+        rows[case] = metric_rows(metrics)
     reference, found = rows["mtp-1f1b"], rows["mtp-zb-v"]
-    assert sorted(reference) == sorted(found) == list(range(1, ITERATIONS + 1))
+    assert sorted(reference) == list(range(1, ITERATIONS + 1))
     assert reference[ITERATIONS]["mtp_loss"][0] < reference[1]["mtp_loss"][0]
-    for iteration, row in reference.items():
-        for key in ("loss", "grad_norm"):
-            assert found[iteration][key] == pytest.approx(row[key], rel=1e-5), (key, iteration)
-        assert found[iteration]["mtp_loss"] == pytest.approx(row["mtp_loss"], rel=1e-5), iteration
+    assert_rows_equal(found, reference, ("loss", "grad_norm", "mtp_loss"), "mtp-zb-v")
 
 
 def test_padded_layers_equal_megatron_lms_own_uneven_split(tmp: Path) -> None:
@@ -244,13 +247,11 @@ def test_padded_layers_equal_megatron_lms_own_uneven_split(tmp: Path) -> None:
         metrics = tmp / f"{case}.jsonl"
         done = launch(flags, metrics, "--train-iters", "4", processes=4)
         assert done.returncode == 0, done.stderr[-4000:]
-        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+        rows[case] = metric_rows(metrics)
     assert "built by Megatron-LM's own --account-for-embedding-in-pipeline-split" in done.stderr
     reference, found = rows["padded-1f1b"], rows["padded-zb-1p"]
-    assert sorted(reference) == sorted(found) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
-    for iteration, row in reference.items():
-        assert found[iteration]["loss"] == pytest.approx(row["loss"], rel=1e-5), iteration
-        assert found[iteration]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), iteration
+    assert sorted(reference) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
+    assert_rows_equal(found, reference, ("loss", "grad_norm"), "zero bubble")
 
 
 def test_v_with_an_uneven_first_stage_equals_megatron_cores_1f1b(tmp: Path) -> None:
@@ -263,12 +264,10 @@ def test_v_with_an_uneven_first_stage_equals_megatron_cores_1f1b(tmp: Path) -> N
         metrics = tmp / f"{case}.jsonl"
         done = launch(f"{flags} {schedule}", metrics, "--train-iters", "4")
         assert done.returncode == 0, done.stderr[-4000:]
-        rows[case] = {row["iteration"]: row for row in map(json.loads, metrics.read_text().splitlines())}
+        rows[case] = metric_rows(metrics)
     reference, found = rows["first-1f1b"], rows["first-zb-v"]
-    assert sorted(reference) == sorted(found) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
-    for iteration, row in reference.items():
-        assert found[iteration]["loss"] == pytest.approx(row["loss"], rel=1e-5), iteration
-        assert found[iteration]["grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5), iteration
+    assert sorted(reference) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
+    assert_rows_equal(found, reference, ("loss", "grad_norm"), "zero bubble")
 
 
 def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: Path) -> None:
