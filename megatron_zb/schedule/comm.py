@@ -78,7 +78,11 @@ def messages(schedule: Schedule) -> tuple[Message, ...]:
 
 
 def program(schedule: Schedule) -> tuple[tuple[Pass | CommStep, ...], ...]:
-    """Per-rank compute passes with their sends and receives placed (for the runtime)."""
+    """Per-rank compute passes with their sends and receives placed (for the runtime).
+
+    The two passes of an overlapped pair are one step: the receives of both are posted before the
+    first, the sends of both follow the second.
+    """
     outgoing: dict[tuple[int, Pass], list[Message]] = {}
     incoming: dict[tuple[int, Pass], list[Message]] = {}
     channel: dict[tuple[int, int], list[Message]] = {}
@@ -90,15 +94,25 @@ def program(schedule: Schedule) -> tuple[tuple[Pass | CommStep, ...], ...]:
     for rank, order in enumerate(schedule.orders):
         posted: dict[int, int] = {}  # sender -> receives posted so far
         steps: list[Pass | CommStep] = []
-        for p in order:
-            for needed in incoming.get((rank, p), ()):
+        paired = {p for pair in schedule.overlapped for p in pair}
+        for index, p in enumerate(order):
+            if p in paired and index + 1 < len(order) and order[index + 1] == schedule.partner(p):
+                first = True
+                needs = incoming.get((rank, p), []) + incoming.get((rank, order[index + 1]), [])
+            else:
+                first = False
+                needs = [] if p in paired else incoming.get((rank, p), [])
+            for needed in sorted(needs, key=lambda m: (m.src, m.seq)):
                 queue = channel[needed.src, rank]
                 while posted.get(needed.src, 0) <= needed.seq:
                     early = queue[posted.get(needed.src, 0)]
                     steps.append(CommStep(CommOp.RECV, needed.src, early))
                     posted[needed.src] = early.seq + 1
             steps.append(p)
-            steps += [CommStep(CommOp.SEND, m.dst, m) for m in outgoing.get((rank, p), ())]
+            if first:
+                continue  # its sends go after its partner's
+            sent = [*outgoing.get((rank, order[index - 1]), ())] if p in paired else []
+            steps += [CommStep(CommOp.SEND, m.dst, m) for m in (*sent, *outgoing.get((rank, p), ()))]
         programs.append(tuple(steps))
     return tuple(programs)
 

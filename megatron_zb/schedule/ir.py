@@ -124,6 +124,11 @@ class Schedule:
     ``shared`` pairs blocks of different pipes that hold the same weights (BitPipe's mirrored
     pipes): the two copies start equal and their gradients are averaged before every step, so
     they stay equal (lowering adds the REPLICA_SYNC that does it).
+
+    ``overlapped`` pairs an F with a B or BW of another microbatch (or stage) on the same rank,
+    next to each other in its order (either first): DualPipe's overlapped F&B. The two run as one
+    step, each one's expert-parallel all-to-all behind the other's compute; both take their inputs
+    before the step and send their outputs after it.
     """
 
     name: str
@@ -131,6 +136,7 @@ class Schedule:
     microbatches: int
     orders: tuple[tuple[Pass, ...], ...]
     shared: tuple[tuple[Block, Block], ...] = ()
+    overlapped: tuple[tuple[Pass, Pass], ...] = ()  # (forward, backward) run as one step
 
     def __post_init__(self) -> None:
         pps = {placement.pp for placement in self.placements}
@@ -154,6 +160,36 @@ class Schedule:
                     raise ScheduleError(f"{self.name}: shared block {block} is not a (pipe, stage) of the schedule")
                 if block == other or copies.setdefault(block, other) != other:
                     raise ScheduleError(f"{self.name}: block {block} shares weights with more than one other block")
+        if self.overlapped:
+            self._check_overlapped()
+
+    def _check_overlapped(self) -> None:
+        where = {p: (rank, i) for rank, order in enumerate(self.orders) for i, p in enumerate(order)}
+        taken: set[Pass] = set()
+        for forward, backward in self.overlapped:
+            what = f"{self.name}: overlapped pair ({forward}, {backward})"
+            if forward.kind is not PassKind.F or backward.kind not in (PassKind.B, PassKind.BW):
+                raise ScheduleError(f"{what}: a pair is an F and a B or BW")
+            if forward in taken or backward in taken:
+                raise ScheduleError(f"{what}: a pass is in more than one pair")
+            taken.update((forward, backward))
+            if forward not in where or backward not in where:
+                raise ScheduleError(f"{what}: both passes must be in the orders")
+            (rank, i), (other, j) = where[forward], where[backward]
+            if rank != other or abs(i - j) != 1:
+                raise ScheduleError(
+                    f"{what}: the two must be next to each other in one rank's order "
+                    f"(rank {rank} pass {i}, rank {other} pass {j})"
+                )
+
+    def partner(self, p: Pass) -> Pass | None:
+        """The pass ``p`` runs beside in an overlapped pair, if any."""
+        for forward, backward in self.overlapped:
+            if p == forward:
+                return backward
+            if p == backward:
+                return forward
+        return None
 
     def replica(self, pipe: int, stage: int) -> Block | None:
         """The other copy of (pipe, stage)'s weights, if the schedule keeps one."""

@@ -14,6 +14,16 @@ from .ir import Pass, PassKind, Schedule, ScheduleError
 from .placement import Placement
 
 FIELDS = frozenset(field.name for field in fields(Schedule))
+OPTIONAL = frozenset({"overlapped"})  # written by later versions; older files hold none
+
+
+def _pass_data(p: Pass) -> list:
+    return [p.kind.value, p.stage, p.microbatch, p.pipe]
+
+
+def _pass(data: list) -> Pass:
+    kind, stage, microbatch, pipe = data
+    return Pass(PassKind(kind), stage, microbatch, pipe)
 
 
 def schedule_to_data(schedule: Schedule) -> dict:
@@ -25,8 +35,9 @@ def schedule_to_data(schedule: Schedule) -> dict:
             for p in schedule.placements
         ],
         "microbatches": schedule.microbatches,
-        "orders": [[[p.kind.value, p.stage, p.microbatch, p.pipe] for p in order] for order in schedule.orders],
+        "orders": [[_pass_data(p) for p in order] for order in schedule.orders],
         "shared": [[list(first), list(second)] for first, second in schedule.shared],
+        "overlapped": [[_pass_data(p) for p in pair] for pair in schedule.overlapped],
     }
     if data.keys() != FIELDS:  # a field added to Schedule must be carried here too, not dropped in transit
         raise ScheduleError(f"schedule_to_data does not carry Schedule field(s) {sorted(FIELDS - data.keys())}")
@@ -35,16 +46,14 @@ def schedule_to_data(schedule: Schedule) -> dict:
 
 def schedule_from_data(data: dict) -> Schedule:
     """The schedule ``schedule_to_data`` wrote; ScheduleError when a field is missing or unknown."""
-    if data.keys() != FIELDS:
-        missing, unknown = sorted(FIELDS - data.keys()), sorted(data.keys() - FIELDS)
+    if not FIELDS - OPTIONAL <= data.keys() <= FIELDS:
+        missing, unknown = sorted(FIELDS - OPTIONAL - data.keys()), sorted(data.keys() - FIELDS)
         raise ScheduleError(f"not a serialised schedule: missing field(s) {missing}, unknown field(s) {unknown}")
     placements = tuple(
         Placement(p["kind"], p["pp"], p["chunks"], tuple(tuple(block) for block in p["blocks"]))
         for p in data["placements"]
     )
-    orders = tuple(
-        tuple(Pass(PassKind(kind), stage, microbatch, pipe) for kind, stage, microbatch, pipe in order)
-        for order in data["orders"]
-    )
+    orders = tuple(tuple(map(_pass, order)) for order in data["orders"])
     shared = tuple((tuple(first), tuple(second)) for first, second in data["shared"])
-    return Schedule(data["name"], placements, data["microbatches"], orders, shared)
+    overlapped = tuple((_pass(forward), _pass(backward)) for forward, backward in data.get("overlapped", ()))
+    return Schedule(data["name"], placements, data["microbatches"], orders, shared, overlapped)

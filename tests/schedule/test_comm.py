@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_zb.schedule.comm import CommOp, CommStep, messages, program, volume
-from megatron_zb.schedule.ir import Pass, Schedule, parse_orders
+from megatron_zb.schedule.ir import Pass, Schedule, ScheduleError, parse_orders
 from megatron_zb.schedule.placement import v_shape
 from megatron_zb.schedule.registry import ScheduleSpec, build, names
 from megatron_zb.schedule.validate import validate
@@ -70,3 +70,37 @@ def test_program_places_every_message_once_in_channel_order(name):
     sends = sum(1 for steps in program(s) for x in steps if isinstance(x, CommStep) and x.op is CommOp.SEND)
     recvs = sum(1 for steps in program(s) for x in steps if isinstance(x, CommStep) and x.op is CommOp.RECV)
     assert sends == recvs == volume(s)
+
+
+def test_an_overlapped_pair_takes_both_inputs_before_and_sends_both_outputs_after():
+    s = build("1f1b", ScheduleSpec(3, 6))
+    order = s.orders[1]  # the middle rank receives and sends for both passes
+    forward = Pass.parse("F s1 mb2")
+    backward = order[order.index(forward) + 1]
+    assert str(backward) == "BW s1 mb1"
+    paired = Schedule(s.name, s.placements, s.microbatches, s.orders, overlapped=((forward, backward),))
+    steps = [str(step) for step in program(paired)[1]]
+    at = steps.index("F s1 mb2")
+    assert steps[at - 2 : at + 4] == [
+        "RECV activation for F s1 mb2 from rank 0",
+        "RECV gradient for BW s1 mb1 from rank 2",
+        "F s1 mb2",
+        "BW s1 mb1",
+        "SEND activation of F s1 mb2 to rank 2",
+        "SEND gradient of BW s1 mb1 to rank 0",
+    ]
+    assert len(steps) == len(program(s)[1])  # the same steps, moved
+
+
+@pytest.mark.parametrize(
+    "pair, why",
+    [
+        (("F s1 mb2", "F s1 mb3"), "an F and a B or BW"),
+        (("F s1 mb2", "BW s1 mb2"), "next to each other"),
+        (("F s0 mb2", "BW s1 mb1"), "next to each other"),
+    ],
+)
+def test_a_pair_that_cannot_run_as_one_step_is_refused(pair, why):
+    s = build("1f1b", ScheduleSpec(3, 6))
+    with pytest.raises(ScheduleError, match=why):
+        Schedule(s.name, s.placements, s.microbatches, s.orders, overlapped=(tuple(map(Pass.parse, pair)),))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -51,3 +51,15 @@ def test_a_missing_or_unknown_field_is_refused():
     data["extra"] = 1
     with pytest.raises(ScheduleError, match=r"missing field\(s\) \['shared'\], unknown field\(s\) \['extra'\]"):
         schedule_from_data(data)
+
+
+def test_overlapped_pairs_survive_and_older_data_has_none():
+    s = build("zb-1p", ScheduleSpec(2, 4))
+    order = s.orders[0]
+    i = next(i for i in range(len(order) - 1) if {order[i].kind.value, order[i + 1].kind.value} == {"F", "B"})
+    pair = (order[i], order[i + 1]) if order[i].kind.value == "F" else (order[i + 1], order[i])
+    paired = replace(s, overlapped=(pair,))
+    assert schedule_from_data(schedule_to_data(paired)) == paired
+    older = schedule_to_data(s)
+    del older["overlapped"]
+    assert schedule_from_data(older) == s
