@@ -20,6 +20,7 @@ from .schedule.costs_file import load_costs
 from .schedule.ir import Schedule, ScheduleError
 from .schedule.iterations import IterationsTimeline, simulate_iterations
 from .schedule.lower import DataParallel, add_all_to_all, lower
+from .schedule.pairing import overlap_pairs
 from .schedule.registry import ScheduleSpec, build, get, names
 from .schedule.schedule_file import load_schedule, refuse_other_setting
 from .schedule.simulate import Timeline, simulate
@@ -115,7 +116,9 @@ def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec
                 for name, default in defaults.items()
             }
         )
-    costs = CostModel(args.pp, **{name.replace("cost_", "t_"): value for name, value in flags.items()})
+    costs = CostModel(
+        args.pp, **{name.replace("cost_", "t_"): value for name, value in flags.items()}, **_overlap(args)
+    )
     return ScheduleSpec(
         args.pp,
         args.microbatches,
@@ -125,7 +128,24 @@ def _spec(args: argparse.Namespace, refine_seconds: float = 0.0) -> ScheduleSpec
         refine_seconds,
         getattr(args, "post_validation", False),
         _breadth_first(args, args.microbatches),
+        overlap_f_b=_overlap_f_b(args, costs),
     )
+
+
+def _overlap(args: argparse.Namespace) -> dict:
+    """``CostModel.overlap`` where --cost-overlap gives it."""
+    return {} if getattr(args, "cost_overlap", None) is None else {"overlap": args.cost_overlap}
+
+
+def _overlap_f_b(args: argparse.Namespace, costs: CostModel) -> bool:
+    """--overlap-f-b, refused where the costs have no all-to-all time to hide (a pair would gain nothing)."""
+    asked = getattr(args, "overlap_f_b", False)
+    if asked and not costs.has_all_to_all:
+        raise ScheduleError(
+            "--overlap-f-b hides the expert-parallel all-to-all, and the costs have none: give --cost-a2a (or "
+            "--costs-from a run with MoE layers), or drop --overlap-f-b"
+        )
+    return asked
 
 
 def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleSpec:
@@ -150,7 +170,7 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
     memory.update(
         {name.replace("cost_", "t_"): getattr(args, name) for name in _DATA_PARALLEL if getattr(args, name) is not None}
     )
-    costs = replace(measured.costs, **memory)
+    costs = replace(measured.costs, **memory, **_overlap(args))
     limit = args.memory_limit if args.memory_limit is not None else measured.memory_limit
     chunks = args.chunks
     if "schedule" in args:  # plan: the run's schedule, with its chunk count, unless another is named
@@ -166,6 +186,7 @@ def _measured_spec(args: argparse.Namespace, refine_seconds: float) -> ScheduleS
         refine_seconds,
         getattr(args, "post_validation", False),
         _breadth_first(args, microbatches),
+        overlap_f_b=_overlap_f_b(args, costs),
     )
 
 
@@ -196,6 +217,8 @@ def _file_schedule(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
     spec = _spec(args)
     if spec.costs.pp != schedule.pp:
         raise ScheduleError(f"--costs-from {args.costs_from} is for pp={spec.costs.pp}, the file for pp={schedule.pp}")
+    if spec.overlap_f_b and not schedule.overlapped:
+        schedule = overlap_pairs(schedule, spec.costs, "stage_span" if spec.post_validation else "makespan")
     check(schedule, spec.costs, spec.memory_limit)
     for note in loaded.notes:
         print(f"megatron-zb plan: note: {args.from_file}: {note}", file=sys.stderr)

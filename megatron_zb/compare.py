@@ -8,7 +8,9 @@ row over the memory limit, or one the family cannot plan, is listed as refused w
 reason (over the limit: the memory it needs). *Best* marks the rows ranked first as ``auto``
 ranks (shortest makespan, then stage span, then peak; stage span first with post-validation),
 so the best row is never worse than ``auto`` or a PyTorch order that fits. The Pareto frontier
-of (max peak memory, stage-span bubble) is marked too. Pure Python.
+of (max peak memory, stage-span bubble) is marked too. With ``spec.overlap_f_b`` every row runs
+the overlapped F&B pairs that shorten it (PyTorch's orders too) and says how many (``pairs``).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .schedule.costs import CostModel
 from .schedule.generators.auto import chunk_counts, splits_layers, torch_orders
 from .schedule.ir import Schedule, ScheduleError
 from .schedule.lower import DataParallel, lower
+from .schedule.pairing import overlap_pairs
 from .schedule.registry import ScheduleSpec, build, get, names, over_limit
 from .schedule.simulate import Timeline, simulate
 from .schedule.validate import check
@@ -54,6 +57,7 @@ class Row:
     family: str | None = None  # the registered schedule that made it (--schedule); None for PyTorch's orders
     weight_copies: int = 1  # copies of the weights per rank; only rows with one are ranked for best
     best: bool = False
+    pairs: int = 0  # overlapped F&B pairs (--overlap-f-b)
 
     @property
     def built(self) -> bool:
@@ -76,6 +80,7 @@ class Row:
             bubble_rate_makespan=timeline.bubble_rate_makespan,
             peak_memory=timeline.peak_memory,
             comm_volume=comm.volume(schedule),
+            pairs=len(schedule.overlapped),
             **fields,
         )
 
@@ -96,6 +101,7 @@ class Row:
             "weight_copies": self.weight_copies,
             "pareto_frontier": self.frontier,
             "best": self.best,
+            "overlapped_pairs": self.pairs,
         }
 
 
@@ -108,6 +114,7 @@ class Comparison:
     costs: CostModel
     rows: tuple[Row, ...]  # built rows by rank (``rank_key``), then refused rows by name
     post_validation: bool = False  # iterations overlap: best by stage span first
+    overlap_f_b: bool = False  # rows run overlapped F&B pairs; the text table gets a pairs column
 
     @property
     def built(self) -> tuple[Row, ...]:
@@ -140,14 +147,16 @@ class Comparison:
             "chunks": self.chunks,
             "memory_limit": self.memory_limit,
             "post_validation": self.post_validation,
+            "overlap_f_b": self.overlap_f_b,
             "costs": asdict(self.costs),
             "rows": [row.to_dict() for row in self.rows],
         }
 
     def to_text(self) -> str:
         """A fixed-width table: the setting, one line per built schedule, then the refusals."""
-        cells = [HEAD] + [_cells(row) for row in self.built]
-        widths = [max(len(line[i]) for line in cells) for i in range(len(HEAD))]
+        extra = (("pairs",), lambda row: (str(row.pairs),)) if self.overlap_f_b else ((), lambda row: ())
+        cells = [HEAD + extra[0]] + [_cells(row) + extra[1](row) for row in self.built]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
         lines = [
             f"megatron-zb compare  {self.setting()}",
             "bubble = stage-span bubble rate, bubble(ms) = makespan bubble rate, "
@@ -155,8 +164,10 @@ class Comparison:
             f"peak = activation memory in one microbatch's activations of a stage; {FRONTIER_MARK} = on the Pareto "
             "frontier of (peak, bubble)",
             f"{BEST_MARK} = {self._best_rule()}",
+            *(["pairs = overlapped F&B pairs placed where they shorten the iteration (--overlap-f-b)"]
+              if self.overlap_f_b else []),
             "",
-        ]
+        ]  # fmt: skip
         for line in cells:
             pairs = enumerate(zip(line, widths, strict=True))
             lines.append("  ".join(c.ljust(w) if i in LEFT_ALIGNED else c.rjust(w) for i, (c, w) in pairs).rstrip())
@@ -274,6 +285,8 @@ def _torch_rows(spec: ScheduleSpec, lowering: Lowering) -> Iterator[Row]:
         name = torch_name(schedule.name)
         try:
             check(schedule, spec.costs)
+            if spec.overlap_f_b and spec.costs.has_all_to_all:
+                schedule = overlap_pairs(schedule, spec.costs, "stage_span" if spec.post_validation else "makespan")
             _check_layers(schedule, spec)
             too_big = over_limit(name, schedule, spec)
             if too_big is not None:
@@ -311,5 +324,12 @@ def compare(spec: ScheduleSpec, data_parallel: DataParallel | None = None) -> Co
     refused = sorted((row for row in rows if not row.built), key=lambda row: row.name)
     built.sort(key=lambda row: (rank_key(row, spec.post_validation), row.name))
     return Comparison(
-        spec.pp, spec.microbatches, spec.chunks, spec.memory_limit, spec.costs, (*built, *refused), spec.post_validation
+        spec.pp,
+        spec.microbatches,
+        spec.chunks,
+        spec.memory_limit,
+        spec.costs,
+        (*built, *refused),
+        spec.post_validation,
+        spec.overlap_f_b,
     )

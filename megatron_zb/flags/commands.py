@@ -13,6 +13,8 @@ from .launcher import LAUNCHER_FLAGS
 from .table import COUNT, FINITE, NON_NEGATIVE, PLANNER, POSITIVE, VERIFY, Flag, Range
 from .zero_bubble import ZERO_BUBBLE_FLAGS
 
+SHARE = Range(-1, 1)  # a share of a time, which may also cost: -1 .. 1
+
 # What plan --format writes.
 FORMATS = ("text", "json", "svg", "html", "chrome-trace", "torch-csv")
 VERIFY_ITERATIONS = 4
@@ -53,6 +55,9 @@ SETTING = (
         Flag("--cost-comm", "latency per cross-rank transfer (default 0)", type=float, range=FINITE),
         _stage_numbers("--cost-a2a", "expert-parallel all-to-all time of one microbatch in one direction (dispatch "
                        "and combine of the stage's MoE layers), a part of T_F and of T_B (default 0)"),
+        Flag("--cost-overlap", "share of the hideable time an overlapped F&B pair hides (--overlap-f-b): 1 two ideal "
+             "streams, 0 none, negative where a pair runs slower than its two passes (default 1)", type=float,
+             range=SHARE),
         Flag("--costs-from", "the costs measured in training (--zero-bubble-save-costs FILE), in ms; pp, microbatches "
              "and the memory limit default to the run's", metavar="FILE"),
     ),
@@ -73,6 +78,12 @@ SETTING = (
              switch=True),
         Flag("--prefetch", "with --zero3: issue each gather this many compute passes before its first use (default 1)",
              type=int, range=NON_NEGATIVE),
+    ),
+    *_planner(
+        "",
+        Flag("--overlap-f-b", "run adjacent F and B (or BW) of a rank as one overlapped step where that shortens the "
+             "iteration, each one's expert-parallel all-to-all behind the other's compute (DualPipe's overlapped "
+             "F&B); needs --cost-a2a or measured all-to-all times", switch=True),
     ),
     *(replace(_ZB[option], group="breadth-first schedules")
       for option in ("--breadth-first-micro-batches", "--depth-first-micro-batches")),

@@ -79,8 +79,9 @@ def _axis(origin: float, span: float, scale: float, y: float) -> list[str]:
     return out
 
 
-def _legend(chunks: int, kinds: set) -> tuple[list[str], float]:
-    """The legend elements and where they end (x): every compute kind, the other kinds drawn."""
+def _legend(chunks: int, kinds: set, pairs: bool = False) -> tuple[list[str], float]:
+    """The legend elements and where they end (x): every compute kind, the other kinds drawn, and a note on
+    overlapped pairs where there are some."""
     out, x = [], LEFT
     for kind, action in SPECS.items():
         if not (action.compute or (kind in kinds and action.stream in (Stream.COLLECTIVE, Stream.EXPERT))):
@@ -91,6 +92,10 @@ def _legend(chunks: int, kinds: set) -> tuple[list[str], float]:
     if chunks > 1:
         note = "lighter = later model chunk"
         out.append(f'<text class="legend" x="{x}" y="44">{note}</text>')
+        x += 7 * len(note) + 18
+    if pairs:
+        note = "half-height: an overlapped F&B pair, F above B"
+        out.append(f'<text class="legend" x="{x}" y="44">{escape(note)}</text>')
         x += 7 * len(note)
     return out, x
 
@@ -120,7 +125,7 @@ def _svg(timeline: Timeline, namespace: bool) -> str:
     axis_y = TOP + len(timeline.ranks) * (LANE + GAP) + sum(lanes) * (COLLECTIVE_LANE + GAP)
     title = header(timeline)
     kinds = {t.pass_.kind for rank in timeline.ranks for t in rank}
-    legend, legend_end = _legend(timeline.schedule.chunks, kinds)
+    legend, legend_end = _legend(timeline.schedule.chunks, kinds, bool(timeline.schedule.overlapped))
     width = max(LEFT + span * scale, legend_end, LEFT + 7.5 * len(title)) + RIGHT  # text widths are estimates
     height = axis_y + BOTTOM
     body = [
@@ -132,11 +137,15 @@ def _svg(timeline: Timeline, namespace: bool) -> str:
         *_axis(origin, span, scale, axis_y),
     ]
     y = TOP
+    paired = {p: half for pair in timeline.schedule.overlapped for half, p in enumerate(pair)}
     for rank, passes in enumerate(timeline.ranks):
         body.append(f'<text class="rank" x="{LEFT - 8}" y="{_px(y + LANE / 2 + 4)}">rank {rank}</text>')
         for t in passes:
             x = LEFT + (t.start - origin) * scale
-            if spec(t.pass_.kind).blocks_compute:
+            if t.pass_ in paired:  # an overlapped pair: its forward on the upper half of one step, its backward below
+                half, width = LANE / 2, (t.end - t.start) * scale
+                body.extend(_pass(t, x, width, y + paired[t.pass_] * half, timeline.schedule.chunks, half))
+            elif spec(t.pass_.kind).blocks_compute:
                 body.extend(_pass(t, x, (t.end - t.start) * scale, y, timeline.schedule.chunks))
             elif spec(t.pass_.kind).stream is Stream.COLLECTIVE and t.end > t.start:
                 below = y + LANE + GAP

@@ -5,7 +5,8 @@ usually an F or a W), and only shrinks when a ``width`` is given. A column belon
 covering the column's midpoint, so rounding never makes two passes overlap. A rank with
 data-parallel collectives gets a second row for them (their own stream); releases take no
 time and are not drawn. An all-to-all split out of a pass holds the compute stream and is drawn
-in the rank's row, before the rest of its pass.
+in the rank's row, before the rest of its pass. An overlapped pair is one cell, both labels joined
+by ``&`` (``F6&b0``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ALL_TO_ALL_LEGEND = (
     "        a3 expert-parallel all-to-all (dispatch + combine) of F3 | A3 of B3 (or BW3): each is part of the pass "
     "after it"
 )
+PAIR_LEGEND = "        F6&b0 an overlapped pair: one step, each one's all-to-all behind the other's compute"
 _RESET = "\x1b[0m"
 _NICE_STEPS = (1, 2, 5)
 
@@ -44,8 +46,13 @@ def _label(t: PassTime) -> str:
     return f"{p.kind.value}{p.microbatch}"
 
 
-def _cell_text(t: PassTime, columns: int) -> str:
-    """The label that fits ``columns``, padded; odd chunks in lowercase."""
+def _cell_text(t: PassTime, columns: int, partner: PassTime | None = None) -> str:
+    """The label that fits ``columns``, padded; odd chunks in lowercase; a pair's two labels joined."""
+    if partner is not None:
+        texts = [_cell_text(x, len(_label(x))) for x in (t, partner)]
+        shorts = [_cell_text(x, len(x.pass_.kind.value)) for x in (t, partner)]
+        text = next((c for c in ("&".join(texts), "&".join(shorts), "&") if len(c) <= columns), "")
+        return (text + PAD * columns)[:columns]
     kind = t.pass_.kind
     text = next((c for c in (_label(t), kind.value, spec(kind).short) if len(c) <= columns), "")
     text = (text + PAD * columns)[:columns]
@@ -53,8 +60,15 @@ def _cell_text(t: PassTime, columns: int) -> str:
 
 
 def _scale(timeline: Timeline, span: float, chart_width: int | None) -> float:
-    """Columns per time unit: the widest label over its pass's duration, capped by the width."""
-    needs = [len(_label(t)) / (t.end - t.start) for rank in timeline.ranks for t in rank if t.end > t.start]
+    """Columns per time unit: the widest label (a pair's two) over its pass's duration, capped by the width."""
+    partner = {p: q for pair in timeline.schedule.overlapped for p, q in (pair, pair[::-1])}
+    lengths = {t.pass_: len(_label(t)) for rank in timeline.ranks for t in rank}
+    needs = [
+        (lengths[t.pass_] + (1 + lengths[partner[t.pass_]] if t.pass_ in partner else 0)) / (t.end - t.start)
+        for rank in timeline.ranks
+        for t in rank
+        if t.end > t.start
+    ]
     scale = max(needs, default=1.0)
     limit = chart_width if chart_width is not None else MAX_COLUMNS
     if span > 0 and not math.isfinite(limit / span):
@@ -70,13 +84,20 @@ def _column(time: float, scale: float) -> int:
     return math.ceil(round(time * scale - 0.5, 9))
 
 
-def _row(passes: tuple[PassTime, ...], origin: float, scale: float, columns: int, color: bool) -> str:
+def _row(
+    passes: tuple[PassTime, ...], origin: float, scale: float, columns: int, color: bool, partner: dict | None = None
+) -> str:
+    """One lane; ``partner`` maps the first pass of each overlapped pair to its second's time (drawn in one cell)."""
+    partner = partner or {}
+    seconds = {t.pass_ for t in partner.values()}
     cells = [IDLE] * columns
     for t in passes:
+        if t.pass_ in seconds:
+            continue
         first, last = _column(t.start - origin, scale), min(_column(t.end - origin, scale), columns)
         if last <= first:
             continue
-        text = _cell_text(t, last - first)
+        text = _cell_text(t, last - first, partner.get(t.pass_))
         if color:
             cells[first : last - 1] = text[:-1]
             cells[last - 1] = text[-1] + _RESET
@@ -113,6 +134,7 @@ def _summary(timeline: Timeline, scale: float) -> list[str]:
         f"bubble rate  {timeline.bubble_rate:.2%} (stage span)  {timeline.bubble_rate_makespan:.2%} (makespan)",
         f"peak memory  {peaks}",
         f"scale        1 column = {_num(1 / scale)} time units",
+        *([f"pairs        {len(schedule.overlapped)} overlapped F&B pairs"] if schedule.overlapped else []),
     ]
 
 
@@ -128,10 +150,12 @@ def render_text(timeline: Timeline, width: int | None = None, color: bool = Fals
     scale = _scale(timeline, span, chart_width)
     columns = math.ceil(round(span * scale, 9))
     lines = []
+    partner_of = {p: q for pair in timeline.schedule.overlapped for p, q in (pair, pair[::-1])}
     for prefix, passes in zip(prefixes, timeline.ranks, strict=True):
         compute = tuple(t for t in passes if spec(t.pass_.kind).blocks_compute)
         collectives = tuple(t for t in passes if spec(t.pass_.kind).stream is Stream.COLLECTIVE)
-        lines.append(prefix + _row(compute, origin, scale, columns, color) + "|")
+        partner = {t.pass_: u for t, u in zip(compute, compute[1:], strict=False) if partner_of.get(t.pass_) == u.pass_}
+        lines.append(prefix + _row(compute, origin, scale, columns, color, partner) + "|")
         if collectives:
             lane = "dp |".rjust(prefix_width)
             lines.append(lane + _row(collectives, origin, scale, columns, color) + "|")
@@ -142,6 +166,8 @@ def render_text(timeline: Timeline, width: int | None = None, color: bool = Fals
         lines.append(COLLECTIVES_LEGEND)
     if Stream.EXPERT in streams:
         lines.append(ALL_TO_ALL_LEGEND)
+    if timeline.schedule.overlapped:
+        lines.append(PAIR_LEGEND)
     lines.append("")
     lines.extend(_summary(timeline, scale))
     return "\n".join(lines) + "\n"

@@ -17,7 +17,10 @@ also exchanges the token counts and waits for the slowest rank of the group). Li
 extras they are parts of the pass times that already contain them: t_f holds the forward
 all-to-alls, t_b their backward, so each is at most its pass's time less the ends' extras (the
 embedding and the loss hold no MoE layer). Planners of compute passes need nothing of them;
-lowering splits them out of the passes (``lower.add_all_to_all``).
+lowering splits them out of the passes (``lower.add_all_to_all``). Overlap is the share of the
+hideable time an overlapped F&B pair hides (``Schedule.overlapped``, ``pair_time``): 1 for two ideal
+streams; measured, it can be lower, or negative where a pair runs slower than its passes one after
+the other.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .actions import spec
+from .actions import PARTS, spec
 from .ir import Pass, ScheduleError
 from .placement import Placement
 
@@ -50,6 +53,7 @@ FLAGS = {
     "mem_param": "--mem-param",
     "t_a2a": "--cost-a2a",
     "t_a2a_b": "--cost-a2a, which gives both directions",
+    "overlap": "--cost-overlap",
 }
 # Which pass time holds each all-to-all time.
 ALL_TO_ALL = {"t_a2a": "t_f", "t_a2a_b": "t_b"}
@@ -120,6 +124,7 @@ class CostModel:
     t_w_ends: Ends = (0.0, 0.0)
     t_a2a: PerStage = field(default=(0.0,))
     t_a2a_b: PerStage | None = None  # None: as t_a2a
+    overlap: float = 1.0  # share of the hideable time an overlapped F&B pair hides, in [-1, 1]
 
     def __post_init__(self) -> None:
         if isinstance(self.pp, bool) or not isinstance(self.pp, numbers.Integral) or self.pp < 1:
@@ -134,6 +139,12 @@ class CostModel:
         for name in ("t_f", "t_b", "t_w", "t_dp", "mem_param", "t_a2a", "t_a2a_b"):
             if any(v < 0 for v in getattr(self, name)):
                 raise ScheduleError(f"{_name(name)} must not be negative: {getattr(self, name)}")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, numbers.Real) or not -1 <= self.overlap <= 1:
+            raise ScheduleError(
+                f"{_name('overlap')} must be a number from -1 to 1 (1: a pair hides all it can, 0: nothing), "
+                f"got {self.overlap!r}"
+            )
+        object.__setattr__(self, "overlap", float(self.overlap))
         if self.t_comm < 0:
             raise ScheduleError(f"{_name('t_comm')} must not be negative, got {self.t_comm}")
         if any(v < 0 for v in self.mem_f):
@@ -194,6 +205,18 @@ class CostModel:
     def block_work(self, block: int, placement: Placement) -> float:
         """F + B + W of one microbatch on ``block`` of ``placement`` (a rank's work sums its blocks')."""
         return sum(self._block_time(name, block, placement) for name in ENDS)
+
+    def pair_time(self, forward: Pass, backward: Pass, placements: Sequence[Placement]) -> float:
+        """An overlapped pair's time: both passes less ``overlap`` times what the pair can hide.
+
+        Each pass is its all-to-all (a) and the rest (c); two streams hide the smaller of the two sums,
+        so the ideal pair takes max(c_f + c_b, a_f + a_b). Without all-to-all time a pair gains nothing.
+        """
+        whole = [self.duration(p, placements[p.pipe]) for p in (forward, backward)]
+        parts = [self.duration(Pass(PARTS[role], p.stage, p.microbatch, p.pipe), placements[p.pipe])
+                 for p, role in ((forward, "F"), (backward, "B"))]  # fmt: skip
+        hideable = min(sum(parts), sum(whole) - sum(parts))
+        return sum(whole) - self.overlap * hideable
 
     @property
     def has_ends(self) -> bool:

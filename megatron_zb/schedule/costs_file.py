@@ -18,8 +18,9 @@ from .ir import ScheduleError
 FORMAT = "megatron-zb costs 1"
 _COST_FIELDS = ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w")
 # What the first and last block add (``CostModel.t_f_ends``) and the expert-parallel all-to-alls
-# (``CostModel.t_a2a``, ``t_a2a_b``); files written before them have none.
-_OPTIONAL_FIELDS = (*ENDS.values(), *ALL_TO_ALL)
+# (``CostModel.t_a2a``, ``t_a2a_b``), and the share of it an overlapped F&B pair hides
+# (``CostModel.overlap``); files written before them have none.
+_OPTIONAL_FIELDS = (*ENDS.values(), *ALL_TO_ALL, "overlap")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ all-to-all split out of a compute pass (``ActionSpec.part_of``) holds the comput
 pass, and the pass takes its own time less its parts' (``duration`` gives whole passes). Sends
 never block; between two ranks messages are matched in send order and a receiver posts its
 receives in that order, so the only way to deadlock is a cycle of waits, which is reported
-with the ranks on it.
+with the ranks on it. An overlapped pair (``Schedule.overlapped``) is one step: it starts when
+the compute stream is free and the inputs of both passes are done, both end together (``paired``
+gives the pair's time) and their outputs are sent after it; a pair whose backward needs its
+forward, directly or through other ranks, is a deadlock that names the pair.
 """
 
 from __future__ import annotations
@@ -47,13 +50,16 @@ def execute(
     duration: Callable[[Pass], float],
     latency: float = 0.0,
     ready: Sequence[float] | None = None,
+    paired: Callable[[Pass, Pass], float] | None = None,
 ) -> tuple[tuple[Span, ...], ...]:
     """Start/end of every pass, per rank in order; raises DeadlockError if the orders stall.
 
     ``ready`` is the time each rank becomes free before its first pass (default 0 on every
-    rank), e.g. when its optimizer step of the previous iteration ends.
+    rank), e.g. when its optimizer step of the previous iteration ends. ``paired(forward,
+    backward)`` is the time of an overlapped pair (default: the two passes' times, no gain);
+    both passes of a pair get the pair's span.
     """
-    engine = _Engine(schedule, duration, latency, ready)
+    engine = _Engine(schedule, duration, latency, ready, paired)
     while engine.runnable:
         rank = engine.runnable.pop()
         engine.advance(rank)
@@ -74,8 +80,10 @@ class _Engine:
     must be the same one (the same pair of copies), or the orders deadlock.
     """
 
-    def __init__(self, schedule: Schedule, duration, latency: float, ready: Sequence[float] | None):
+    def __init__(self, schedule: Schedule, duration, latency: float, ready: Sequence[float] | None, paired=None):
         orders = schedule.orders
+        self.paired = paired
+        self.pairs = pair_positions(schedule)
         self.schedule, self.duration, self.latency = schedule, duration, latency
         self.finished: dict[Role, tuple[float, int]] = {}
         self.waiting: dict[Role, list[int]] = {}  # role -> ranks whose host or stream head waits for it
@@ -124,10 +132,41 @@ class _Engine:
             self.spans[rank].append(PENDING)
             self.queue[rank].append((index, self.free[rank]))
             return True
+        if (rank, index) in self.pairs:
+            return self._pair(rank, index)
         start = self._ready(rank, index, self.free[rank])
         if start is None:
             return False
         self._place(rank, index, start)
+        return True
+
+    def _pair(self, rank: int, index: int) -> bool:
+        """Both passes of an overlapped pair at once, when the inputs of both are done."""
+        first, second = self.schedule.orders[rank][index : index + 2]
+        forward, backward = self.pairs[rank, index]
+        for p, other in ((first, second), (second, first)):
+            own = set(inputs(p, self.stages[p.pipe]))
+            if own.intersection(roles(other)):
+                raise DeadlockError(
+                    f"deadlock: overlapped pair ({forward}, {backward}) on rank {rank}: {p} needs {other}, which "
+                    "runs in the same step; pair passes that do not depend on each other",
+                    {rank: (p, roles(other)[0])},
+                )
+        start = self._ready(rank, index, self.free[rank])
+        start = None if start is None else self._ready(rank, index + 1, start)
+        if start is None:
+            return False
+        if self.paired is not None:
+            took = self.paired(forward, backward)
+        else:
+            took = sum(self._without_parts(p, self.duration(p)) for p in (first, second))
+        end = start + took
+        self.spans[rank] += [Span(start, end), Span(start, end)]
+        self.free[rank] = end
+        for p in (first, second):
+            for role in roles(p):
+                self.finished[role] = (end, rank)
+                self.runnable.extend(self.waiting.pop(role, ()))
         return True
 
     def _stream(self, rank: int) -> bool:
@@ -199,6 +238,14 @@ class _Engine:
 PENDING = Span(float("nan"), float("nan"))  # a grouped collective issued before the rest of its group
 
 
+def pair_positions(schedule: Schedule) -> dict[tuple[int, int], tuple[Pass, Pass]]:
+    """(rank, index of a pair's first pass in its order) -> (forward, backward), for every overlapped pair."""
+    if not schedule.overlapped:
+        return {}
+    where = {p: (rank, i) for rank, order in enumerate(schedule.orders) for i, p in enumerate(order)}
+    return {min(where[forward], where[backward]): (forward, backward) for forward, backward in schedule.overlapped}
+
+
 def group_of(schedule: Schedule, p: Pass) -> tuple[int, ...]:
     """The pipeline ranks a grouped collective runs on: the holders of its block and of the block's copy."""
     other = schedule.replica(p.pipe, p.stage)
@@ -229,9 +276,13 @@ def _deadlock(engine: _Engine) -> DeadlockError:
             for rank in ranks:
                 blocked.setdefault(rank, set()).add(role)
     waits, lines = {}, []
+    stuck_pairs: list[tuple[int, tuple[Pass, Pass]]] = []
     for rank in sorted(blocked):
         order = schedule.orders[rank]
         places = [len(engine.spans[rank])] if len(engine.spans[rank]) < len(order) else []
+        if places and (rank, places[0]) in engine.pairs:
+            stuck_pairs.append((rank, engine.pairs[rank, places[0]]))
+            places.append(places[0] + 1)  # the pair waits for the inputs of both
         places += [index for index, _ in list(engine.queue[rank])[:1]]
         for index in places:
             p = order[index]
@@ -254,6 +305,11 @@ def _deadlock(engine: _Engine) -> DeadlockError:
         head = "deadlock: a collective is never joined by the rest of its group"
     else:
         head = "deadlock: a pass waits for one that no rank runs"
+    for rank, (forward, backward) in stuck_pairs:
+        head += (
+            f"; rank {rank} is at overlapped pair ({forward}, {backward}), one step that waits for the inputs of "
+            "both (a pair whose backward needs its forward through other ranks never starts: unpair it)"
+        )
     return DeadlockError(head + "\n" + "\n".join(lines), waits)
 
 

@@ -73,7 +73,9 @@ def simulate_iterations(
     starts, ends = [], []
     ready = (0.0,) * schedule.pp
     for _ in range(iterations):
-        iteration = execute(schedule, duration, costs.t_comm, ready)
+        iteration = execute(
+            schedule, duration, costs.t_comm, ready, lambda f, b: costs.pair_time(f, b, schedule.placements)
+        )
         end = tuple(s[-1].end if s else at for s, at in zip(iteration, ready, strict=True))
         for rank, rank_spans in enumerate(iteration):
             spans[rank].extend(rank_spans)
@@ -115,4 +117,9 @@ def repeat(schedule: Schedule, iterations: int, label: str = "") -> Schedule:
         for order in schedule.orders
     )
     name = f"{schedule.name} x{iterations}" + (f" ({label})" if label else "")
-    return replace(schedule, name=name, microbatches=iterations * m, orders=orders)
+    overlapped = tuple(
+        tuple(replace(p, microbatch=p.microbatch + k * m) for p in pair)
+        for k in range(iterations)
+        for pair in schedule.overlapped
+    )
+    return replace(schedule, name=name, microbatches=iterations * m, orders=orders, overlapped=overlapped)

@@ -20,8 +20,14 @@ data-parallel setting of the run (``DataParallel``) and its costs:
   the pass waits for, holds the compute stream (megatron-core's dispatcher is synchronous) and
   the rest follows, so a schedule without overlap keeps its timeline, the all-to-all's share
   now visible. The runtime still runs the all-to-all inside the pass (the action only books its
-  time); a pass kind that overlaps one microbatch's all-to-all with another's compute will move
-  these actions.
+  time).
+
+Overlapped pairs (``Schedule.overlapped``) stay adjacent: an action a pass above would put between
+the two passes of a pair goes before the pair if the pair needs it (a gather, UNSHARD) and after it
+otherwise (REDUCE_GRAD, REPLICA_SYNC, RESHARD: after the pair, not between its passes). With
+``gather="windows"`` a pair on two chunks thus runs inside both chunks' windows. The all-to-alls of
+paired passes are not split out: the pair's time (``CostModel.pair_time``) already counts them,
+hidden behind the other pass's compute.
 """
 
 from __future__ import annotations
@@ -71,6 +77,37 @@ def lower(schedule: Schedule, data_parallel: DataParallel, costs: CostModel | No
     return schedule
 
 
+def _rejoin(schedule: Schedule, orders: list[tuple[Pass, ...]]) -> Schedule:
+    """``schedule`` with ``orders``, each overlapped pair made adjacent again (see the module)."""
+    if schedule.overlapped:
+        partner = {first: second for pair in schedule.overlapped for first, second in (pair, pair[::-1])}
+        orders = [_rejoined(order, partner) for order in orders]
+    return replace(schedule, orders=tuple(orders))
+
+
+def _rejoined(order: tuple[Pass, ...], partner: dict[Pass, Pass]) -> tuple[Pass, ...]:
+    out: list[Pass] = []
+    index = 0
+    while index < len(order):
+        p = order[index]
+        index += 1
+        if p not in partner:
+            out.append(p)
+            continue
+        end = order.index(partner[p], index)
+        before, after, late = [], [], set()
+        for q in order[index:end]:  # in order; a stage's actions keep theirs (a gather after a release stays after)
+            key = (q.pipe, q.stage)
+            if spec(q.kind).gathers > 0 and key not in late:
+                before.append(q)
+            else:
+                after.append(q)
+                late.add(key)
+        out += [*before, p, order[end], *after]
+        index = end + 1
+    return tuple(out)
+
+
 def add_all_to_all(schedule: Schedule, costs: CostModel) -> Schedule:
     """Every F (B, BW) of a stage with all-to-all time (``costs.t_a2a``, ``t_a2a_b``) preceded by its all-to-all.
 
@@ -83,10 +120,14 @@ def add_all_to_all(schedule: Schedule, costs: CostModel) -> Schedule:
         raise ScheduleError(f"{schedule.name} already has its all-to-alls split out of its passes")
     if not costs.has_all_to_all:
         return schedule
+    paired = {p for pair in schedule.overlapped for p in pair}  # their time counts their all-to-alls
     orders = []
     for order in schedule.orders:
         lowered: list[Pass] = []
         for p in order:
+            if p in paired:
+                lowered.append(p)
+                continue
             stage = schedule.placements[p.pipe].full_stage(p.stage)
             for role in spec(p.kind).roles:
                 part = PARTS.get(role)
@@ -127,7 +168,7 @@ def add_replica_sync(schedule: Schedule, costs: CostModel | None = None) -> Sche
             lowered.append(p)
             lowered += after.get((rank, index), [])
         orders.append(tuple(lowered))
-    return replace(schedule, orders=tuple(orders))
+    return _rejoin(schedule, orders)
 
 
 def add_reduce_grad(schedule: Schedule) -> Schedule:
@@ -147,7 +188,7 @@ def add_reduce_grad(schedule: Schedule) -> Schedule:
                 pipe, stage = after[index]
                 lowered.append(Pass(PassKind.REDUCE_GRAD, stage, 0, pipe))
         orders.append(tuple(lowered))
-    return replace(schedule, orders=tuple(orders))
+    return _rejoin(schedule, orders)
 
 
 def add_gathers(schedule: Schedule, per_run: bool, prefetch: int) -> Schedule:
@@ -174,7 +215,7 @@ def add_gathers(schedule: Schedule, per_run: bool, prefetch: int) -> Schedule:
             lowered.append(p)
             lowered += after.get(index, [])
         orders.append(tuple(lowered))
-    return replace(schedule, orders=tuple(orders))
+    return _rejoin(schedule, orders)
 
 
 def _runs(order: tuple[Pass, ...]) -> list[tuple[tuple[int, int], int, int]]:

@@ -5,6 +5,8 @@ reaches the simulator or the runtime unchecked. A plan is a pure function of the
 the spec fields it reads, and the same one is asked for again and again (``auto`` builds every
 family, a memory refusal builds them all to suggest one, the CLI's compare, re-plans): the last
 ``PLANS_KEPT`` validated plans are kept (not those refined by the solver, which has a time limit).
+``ScheduleSpec.overlap_f_b`` asks for overlapped F&B pairs (``pairing.overlap_pairs``) on whatever the
+generator returned, where the costs have all-to-all time; generators never see it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from functools import lru_cache, wraps
 
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
+from .pairing import overlap_pairs
 from .simulate import memory_levels
 from .validate import check
 
@@ -37,6 +40,8 @@ class ScheduleSpec:
     breadth_first_microbatches: int | None = None
     # the model's layers, when known: ``auto`` passes over placements whose blocks do not split them
     layers: int | None = None
+    # run adjacent F and B (or BW) of a rank as overlapped pairs where that shortens the iteration (MoE all-to-all)
+    overlap_f_b: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_limit is not None and not (math.isfinite(self.memory_limit) and self.memory_limit > 0):
@@ -138,6 +143,10 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True, checked: bool = T
             check(schedule, spec.cost_model())
     else:
         schedule = (_planned if checked else _generated)(generator, _plans_with(generator, spec))
+    if spec.overlap_f_b and spec.cost_model().has_all_to_all:
+        schedule = _paired(schedule, spec.cost_model(), "stage_span" if spec.post_validation else "makespan")
+        if checked:
+            check(schedule, spec.cost_model())
     if not checked:
         return schedule
     message = over_limit(name, schedule, spec)
@@ -181,10 +190,18 @@ def _planned(generator: Generator, spec: ScheduleSpec) -> Schedule:
     return schedule
 
 
+@lru_cache(maxsize=PLANS_KEPT)
+def _paired(schedule: Schedule, costs: CostModel, key: str) -> Schedule:
+    return overlap_pairs(schedule, costs, key)
+
+
 def _plans_with(generator: Generator, spec: ScheduleSpec) -> ScheduleSpec:
     """``spec`` without the fields the generator does not plan with (the memory limit, for a schedule
-    that is only refused when over it), so one plan serves every spec that differs only there."""
-    unread = {} if generator.composite else {"layers": None, "post_validation": False}
+    that is only refused when over it; the pairs, placed after), so one plan serves every spec that
+    differs only there."""
+    unread: dict = {"overlap_f_b": False}
+    if not generator.composite:
+        unread.update(layers=None, post_validation=False)
     for option in ("memory_limit", "breadth_first_microbatches"):
         if option not in generator.options:
             unread[option] = None

@@ -42,7 +42,8 @@ def load_schedule(path: str, name: str | None = None) -> LoadedSchedule:
 
 
 def read_json(text: str, name: str) -> Schedule:
-    """The orders of ``plan --format json`` (times and other keys are ignored)."""
+    """The orders of ``plan --format json`` (times and other keys are ignored), with its overlapped pairs
+    (the two passes that carry one ``"pair"`` number)."""
     try:
         data = json.loads(text)
         ranks = data["ranks"]
@@ -55,7 +56,26 @@ def read_json(text: str, name: str) -> Schedule:
             'expected {"ranks": [[{"pass": "F", "stage": 0, "microbatch": 0}, ...], ...]}'
         ) from None
     placements = _json_placements(name, data, ranks)
-    return Schedule(name, placements, microbatches, orders)
+    return Schedule(name, placements, microbatches, orders, overlapped=_json_pairs(name, ranks, orders))
+
+
+def _json_pairs(name: str, ranks: list, orders: tuple[tuple[Pass, ...], ...]) -> tuple[tuple[Pass, Pass], ...]:
+    members: dict[object, list[Pass]] = {}
+    for rank, order in zip(ranks, orders, strict=True):
+        for item, p in zip(rank, order, strict=True):
+            if "pair" in item:
+                members.setdefault(item["pair"], []).append(p)
+    pairs = []
+    for number, found in members.items():
+        kinds = sorted(p.kind.value for p in found)
+        if len(found) != 2 or kinds not in (["B", "F"], ["BW", "F"]):
+            raise ScheduleError(
+                f'{name}: "pair": {number!r} marks {", ".join(map(str, found))}; an overlapped pair is one F and one '
+                "B or BW, next to each other in one rank's order"
+            )
+        forward, backward = sorted(found, key=lambda p: p.kind is not PassKind.F)
+        pairs.append((forward, backward))
+    return tuple(pairs)
 
 
 def _pass(item: dict) -> Pass:

@@ -7,7 +7,9 @@ optimizer step ends every iteration). Either is the idle fraction of rank-time. 
 holds the compute stream: the compute passes and the all-to-alls split out of them (so splitting
 them out changes no bubble); collectives run beside it on their own stream, and count only where
 something waits for them (a span ends when the rank's last action, a gradient reduction included,
-ends).
+ends). The two passes of an overlapped pair (``Schedule.overlapped``) share one span, the pair's
+time (``CostModel.pair_time``), counted once as work. Memory stays per pass, in order: a pair's
+forward and backward change it one after the other as the order lists them.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ class Timeline:
 
     @property
     def work(self) -> tuple[float, ...]:
-        return tuple(sum(t.end - t.start for t in rank if spec(t.pass_.kind).blocks_compute) for rank in self.ranks)
+        """Time each rank's compute stream is busy (an overlapped pair's one span counted once)."""
+        seconds = {backward for _, backward in self.schedule.overlapped}
+        return tuple(
+            sum(t.end - t.start for t in rank if spec(t.pass_.kind).blocks_compute and t.pass_ not in seconds)
+            for rank in self.ranks
+        )
 
     @property
     def makespan(self) -> float:
@@ -85,8 +92,10 @@ class Timeline:
         return self._bubble(self.makespan)
 
     def to_dict(self) -> dict:
-        """The object ``megatron-zb plan --format json`` prints."""
+        """The object ``megatron-zb plan --format json`` prints; both passes of the n-th overlapped pair carry
+        ``"pair": n``."""
         schedule = self.schedule
+        pair_of = {p: n for n, pair in enumerate(schedule.overlapped) for p in pair}
         return {
             "schedule": schedule.name,
             "pp": schedule.pp,
@@ -98,6 +107,7 @@ class Timeline:
             "bubble_rate": self.bubble_rate,
             "bubble_rate_makespan": self.bubble_rate_makespan,
             "peak_memory": list(self.peak_memory),
+            **({"overlapped_pairs": len(schedule.overlapped)} if schedule.overlapped else {}),
             "ranks": [
                 [
                     {
@@ -107,6 +117,7 @@ class Timeline:
                         "microbatch": t.pass_.microbatch,
                         **({"pipe": t.pass_.pipe} if t.pass_.pipe else {}),
                         **({} if t.pass_.kind.is_compute else {"stream": spec(t.pass_.kind).stream.value}),
+                        **({"pair": pair_of[t.pass_]} if t.pass_ in pair_of else {}),
                         "start": t.start,
                         "end": t.end,
                     }
@@ -129,7 +140,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     costs = costs or CostModel(schedule.pp)
     if costs.pp != schedule.pp:
         raise ValueError(f"cost model is for pp={costs.pp}, schedule {schedule.name} has pp={schedule.pp}")
-    spans = execute(schedule, lambda p: costs.duration(p, schedule.placements[p.pipe]), costs.t_comm)
+    spans = execute(
+        schedule,
+        lambda p: costs.duration(p, schedule.placements[p.pipe]),
+        costs.t_comm,
+        paired=lambda forward, backward: costs.pair_time(forward, backward, schedule.placements),
+    )
     ranks = tuple(
         tuple(
             PassTime(p, rank, schedule.chunk_of(p), span.start, span.end)

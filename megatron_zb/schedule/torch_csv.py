@@ -9,7 +9,9 @@ inferred from that and must be PyTorch's "loop" or "v" style (or one stage per r
 What each PyTorch action becomes is decided in one table, ``ACTIONS``:
 
 - ``F``, ``I`` (input backward), ``W``, ``B`` (full backward) are our ``F``, ``B``, ``W``, ``BW``;
-  ``(…;…)OVERLAP_F_B`` runs its sub-actions one after the other, as PyTorch's runtime does.
+  ``(…;…)OVERLAP_F_B`` of one F and one ``I`` or ``B`` is an overlapped pair of ours
+  (``Schedule.overlapped``), and our pairs are written as one; with other contents it runs its
+  sub-actions one after the other, as PyTorch's runtime does.
 - ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` are checked against the compute order (each on the
   rank of its stage, a send after the pass that produced its tensor, a receive before the pass
   that consumes it, one of each per cross-rank edge) and then dropped: our messages are
@@ -97,8 +99,15 @@ def write_torch_csv(schedule: Schedule) -> str:
         )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
+    partner = {p: q for pair in schedule.overlapped for p, q in (pair, pair[::-1])}
     for order in schedule.orders:  # an all-to-all split out of a pass runs inside it there, as here
-        writer.writerow([_cell(p) for p in order if not spec(p.kind).part_of])
+        cells, passes = [], [p for p in order if not spec(p.kind).part_of]
+        for index, p in enumerate(passes):
+            if index and partner.get(p) == passes[index - 1]:
+                cells[-1] = f"({cells[-1]};{_cell(p)}){OVERLAP}"
+            else:
+                cells.append(_cell(p))
+        writer.writerow(cells)
     return out.getvalue()
 
 
@@ -124,7 +133,26 @@ def read_torch_csv(text: str, name: str = "torch-csv") -> tuple[Schedule, list[s
     microbatches = 1 + max((a.microbatch for row in compute for a in row), default=-1)
     others = [a for row in rows for a in row if ACTIONS[a.type].treatment is not Treatment.COMPUTE]
     notes = _check_dropped(name, others, compute, placement)
-    return Schedule(name, (placement,), microbatches, orders), notes
+    return Schedule(name, (placement,), microbatches, orders, overlapped=_pairs(compute)), notes
+
+
+def _pairs(compute: list[list[Action]]) -> tuple[tuple[Pass, Pass], ...]:
+    """The OVERLAP_F_B steps of one F and one backward (I or B), as (forward, backward); the others run in turn."""
+    steps: dict[tuple[int, int], list[Action]] = {}
+    for row in compute:
+        for action in row:
+            steps.setdefault((action.rank, action.step), []).append(action)
+    pairs = []
+    for actions in steps.values():
+        kinds = sorted(ACTIONS[a.type].kind.value for a in actions)
+        if kinds in (["B", "F"], ["BW", "F"]):
+            found = sorted((Pass(ACTIONS[a.type].kind, a.stage, a.microbatch) for a in actions), key=_backward_last)
+            pairs.append((found[0], found[1]))
+    return tuple(pairs)
+
+
+def _backward_last(p: Pass) -> bool:
+    return p.kind is not PassKind.F
 
 
 def _passes(row: list[Action]) -> tuple[Pass, ...]:

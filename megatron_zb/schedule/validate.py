@@ -4,7 +4,10 @@ within the memory limit. Each issue names the rank, the pass, its microbatch and
 Per-stage actions (lowering's gathers, releases and gradient reductions) are checked too:
 numbered in order, windows opened before they are closed, no pass on released weights, a
 reduction after every weight gradient of its stage; and the all-to-alls split out of passes:
-each once, on its pass's rank, before its pass.
+each once, on its pass's rank, before its pass. The two passes of an overlapped pair
+(``Schedule.overlapped``, which checks their kinds and adjacency) must not depend on each other,
+directly or through other ranks: they run as one step. Memory is checked per pass, in order, a
+pair's two passes included.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ MAX_REPORTED = 12
 
 @dataclass(frozen=True)
 class Issue:
-    rule: str  # placement | range | once | missing | order | sharded | actions | deadlock | memory
+    rule: str  # placement | range | once | missing | order | sharded | actions | pair | deadlock | memory
     message: str
     rank: int | None = None
     pass_: Pass | None = None
@@ -52,6 +55,8 @@ def _full_issues(schedule: Schedule) -> list[Issue]:
     if not issues:
         issues = _coverage_issues(schedule) + _action_issues(schedule) + _order_issues(schedule)
     if not issues:
+        issues = _pair_issues(schedule)
+    if not issues:
         try:
             execute(schedule, lambda p: 0.0)
         except DeadlockError as error:
@@ -67,6 +72,8 @@ def _runs_clean(schedule: Schedule) -> bool:
     end in the timing model with zero costs (which rules out a pass before its input on its own
     rank, and deadlocks). False sends the schedule down the full path, which names the issues.
     """
+    if schedule.overlapped:  # the timing model runs one pass at a time
+        return False
     m, placements = schedule.microbatches, schedule.placements
     model = _zero_model(placements, m)
     kind_of, writes, base, blocks = model.encoding.kinds, model.writes, model.encoding.base, model.encoding.blocks
@@ -235,6 +242,44 @@ def _order_issues(schedule: Schedule) -> list[Issue]:
                         )
                     )
     return issues
+
+
+def _pair_issues(schedule: Schedule) -> list[Issue]:
+    """An overlapped pair whose passes depend on each other, directly or through others (it would never start)."""
+    producer = {role: p for order in schedule.orders for p in order for role in roles(p)}
+    issues = []
+    for forward, backward in schedule.overlapped:
+        for later, earlier in ((backward, forward), (forward, backward)):
+            path = _needs(later, set(roles(earlier)), producer, schedule)
+            if path:
+                via = f" through {', '.join(map(str, path[1:-1]))}" if len(path) > 2 else ""
+                rank = schedule.rank_of(forward)
+                message = (
+                    f"rank {rank}: overlapped pair ({forward}, {backward}): {later} needs {earlier}{via}; the two run "
+                    "as one step, so pair an F and a B or BW that do not depend on each other (e.g. another microbatch)"
+                )
+                issues.append(Issue("pair", message, rank, forward))
+    return issues
+
+
+def _needs(p: Pass, targets: set[Role], producer: dict[Role, Pass], schedule: Schedule) -> list[Pass]:
+    """The chain of passes from ``p`` back to one playing a role in ``targets`` through model inputs ([] if none)."""
+    came_from: dict[Pass, Pass | None] = {p: None}
+    stack = [p]
+    while stack:
+        current = stack.pop()
+        for role in inputs(current, schedule.num_stages(current.pipe)):
+            source = producer.get(role)
+            if source is None or source in came_from:
+                continue
+            came_from[source] = current
+            if role in targets:
+                path = [source]
+                while came_from[path[-1]] is not None:
+                    path.append(came_from[path[-1]])
+                return path[::-1]
+            stack.append(source)
+    return []
 
 
 def _memory_issues(schedule: Schedule, costs: CostModel, limit: float) -> list[Issue]:

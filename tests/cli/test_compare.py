@@ -350,6 +350,7 @@ def test_cli_json_has_every_row_with_its_fields(capsys):
         "weight_copies": 1,
         "pareto_frontier": False,
         "best": False,
+        "overlapped_pairs": 0,
     }
     assert rows["zb-h2"]["refused"].startswith("zb-h2 needs --memory-limit >= 7")
     assert rows["zb-h2"]["makespan"] is None and rows["zb-h2"]["pareto_frontier"] is False

@@ -12,7 +12,8 @@ phase structure):
 - ``dualpipev_orders``: DualPipeV (DeepSeek's DualPipe folded onto the V placement) as PyTorch
   writes it: rank r warms up with 2(pp-r-1) early forwards, r+1 early/late forward pairs and
   pp-r-1 late B-W-F triples; the steady state pairs a forward of one chunk with the fused
-  backward of the other (PyTorch overlaps the two; here they run one after the other); the
+  backward of the other (PyTorch overlaps the two: ``dualpipev_pairs``, which seed the planner
+  of overlapped pairs, ``pairing.py``; without pairs they run one after the other); the
   cool-down switches to split backwards halfway and places the deferred Ws last. It needs
   m >= 2pp microbatches.
 - ``interleaved_zb_orders``: zero bubble on the looping placement (v chunks): interleaved
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..ir import BW, B, F, Pass, W
+from ..ir import BW, B, F, Pass, Schedule, W
+from ..pairing import Pair, register_seed
+from ..placement import v_shape
 from .interleaved import looped
 from .v_blocks import B0, B1, F0, F1, W0, W1, chunk_codes
 
@@ -67,15 +70,45 @@ def _zbv_rank(p: int, total: int, r: int) -> list[tuple[int, int]]:
 def dualpipev_orders(p: int, m: int) -> list[list[Pass]]:
     if m < 2 * p:
         raise ValueError(f"the DualPipeV order needs at least 2pp = {2 * p} microbatches, got {m}")
-    return [_dualpipev_rank(p, m, r) for r in range(p)]
+    return [_dualpipev_rank(p, m, r)[0] for r in range(p)]
 
 
-def _dualpipev_rank(p: int, m: int, r: int) -> list[Pass]:
+def dualpipev_pairs(p: int, m: int) -> list[Pair]:
+    """The (forward, backward) pairs PyTorch runs as OVERLAP_F_B in the DualPipeV order: each steady-state
+    forward with the backward after it (not the first on the last rank), and in the phase after it the
+    late forward with the early backward."""
+    if m < 2 * p:
+        raise ValueError(f"the DualPipeV order needs at least 2pp = {2 * p} microbatches, got {m}")
+    return [pair for r in range(p) for pair in _dualpipev_rank(p, m, r)[1]]
+
+
+@lru_cache(maxsize=8)
+def _dualpipev_passes(p: int, m: int) -> tuple[tuple[Pass, ...], ...]:
+    return tuple(map(tuple, dualpipev_orders(p, m)))
+
+
+def _dualpipev_seed(schedule: Schedule) -> list[Pair]:
+    """PyTorch's pairs, where ``schedule`` runs the DualPipeV order (on one V placement)."""
+    p, m = schedule.pp, schedule.microbatches
+    if m < 2 * p or schedule.placements != (v_shape(p),) or schedule.orders != _dualpipev_passes(p, m):
+        return []
+    return dualpipev_pairs(p, m)
+
+
+register_seed(_dualpipev_seed)
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> tuple[list[Pass], list[Pair]]:
     early, late = r, 2 * p - 1 - r
     forwards = {early: 0, late: 0}
     backwards = {early: 0, late: 0}
     pending: list[tuple[int, int]] = []  # (block, microbatch) of split backwards whose W has not run
     order: list[Pass] = []
+    pairs: list[Pair] = []
+
+    def overlapped() -> None:  # the last two passes: a forward and a backward, in either order
+        first, second = order[-2:]
+        pairs.append((first, second) if first.kind.value == "F" else (second, first))
 
     def forward(block: int) -> None:
         order.append(F(block, forwards[block]))
@@ -101,15 +134,19 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Pass]:
         backward(late, split=True)
         weight()
         forward(late)
-    for _ in range(m - 2 * p + r + 1):
+    for i in range(m - 2 * p + r + 1):
         forward(early)
         backward(late, split=False)
+        if i > 0 or r < p - 1:  # the last rank's first late backward waits for its forward just before
+            overlapped()
         forward(late)
         backward(early, split=False)
+        overlapped()
     for _ in range(p - r - 1):
         backward(late, split=False)
         forward(late)
         backward(early, split=False)
+        overlapped()
     split = False
     for i in range(r + 1):
         split = split or (i == (r + 1) // 2 and r % 2 == 1)
@@ -121,7 +158,7 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Pass]:
         backward(early, split)
     while pending:
         weight()
-    return order
+    return order, pairs
 
 
 def interleaved_zb_orders(p: int, m: int, v: int) -> list[list[Pass]]:
