@@ -19,6 +19,8 @@ ends' extras on the first and last block).
 
     python scripts/bench_runtime.py --output docs/bench_runtime.md
 
+``--moe`` measures overlapped F&B pairs on an MoE model instead (``bench_runtime_moe.py``; its own page).
+
 The workers keep freed memory (``megatron_zb.testing.bench``), for every schedule alike.
 """
 
@@ -346,7 +348,22 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--output", help="also write the table to this markdown file")
     parser.add_argument("--no-pytorch", action="store_true", help="leave PyTorch's pipelining runtime out")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="the MoE section instead (pp 2 x expert parallel 2, overlapped F&B pairs; bench_runtime_moe.py): "
+        "its own model sizes, so only --microbatches, --rounds, --warmup and --output apply",
+    )
     args = parser.parse_args()
+    if args.moe:
+        import bench_runtime_moe
+
+        notes = kept_notes(args.output)
+        bench_runtime_moe.run(args.microbatches, args.rounds, args.warmup, bench_runtime_moe.MODEL, args.output)
+        if notes:
+            with open(args.output, "a", encoding="utf-8") as handle:
+                handle.write("\n" + notes)
+        return
     from megatron_zb.testing.bench import report, run_on_cpu_ranks
 
     pp = 2

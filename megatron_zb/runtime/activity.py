@@ -31,7 +31,7 @@ class Activity:
     def __init__(self) -> None:
         self.progress = 0
         self.progress_time = time.time()
-        self.current_pass: object = None  # the Pass the executor runs (or ran last)
+        self.current_pass: object = None  # the Pass the executor runs (or ran last); an overlapped pair's step
         self.wait: Wait | None = None
         self.failed: tuple[Wait, str] | None = None  # a wait that raised, and the error's first line
 

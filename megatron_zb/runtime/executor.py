@@ -10,11 +10,14 @@ every pass that runs on them waits for the gather first), RESHARD (release them)
 (start the chunk's gradient reduction). The all-to-alls a lowered schedule splits out of passes
 (A2A_F, A2A_B) run nothing here: megatron-core's dispatcher performs them, synchronously, inside
 the pass that follows, and the profiler books their time to them (``expert_comm``).
+
+An overlapped pair (``Schedule.overlapped``: an F beside a B or BW, adjacent in the order) is one
+step: its receives are taken in this thread, the two passes run side by side (``overlap.Pairs``:
+each one's collectives wait while the other computes), then the sends of both are posted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,6 +30,7 @@ from ..schedule.comm import CommOp, CommStep, Message, program
 from . import steps
 from .activity import activity
 from .dp import DataParallelBackend
+from .overlap import Pairs
 from .p2p import PipeComm, Transfer
 from .te_wgrad import BackwardDwJob
 from .wgrad import WeightGradStore
@@ -44,6 +48,7 @@ class RankPlan:
     receives: tuple[tuple[Message, ...], ...]  # receives to have posted before each pass
     sends: tuple[tuple[Message, ...], ...]  # sends right after each pass
     fused: frozenset[tuple[int, int, int]]  # (pipe, stage, microbatch) whose backward is one BW pass
+    paired: frozenset[int] = frozenset()  # indices i where passes i and i + 1 are an overlapped pair
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> Rank
     _check_forward_order(schedule, rank)
     if forward_only:
         orders = tuple(tuple(p for p in order if not spec(p.kind).backward) for order in schedule.orders)
-        schedule = replace(schedule, orders=orders)
+        schedule = replace(schedule, orders=orders, overlapped=())  # no backward: no pair
     passes, receives, sends, waiting = [], [], [], []
     for step in program(schedule)[rank]:
         if isinstance(step, CommStep):
@@ -78,7 +83,8 @@ def plan_rank(schedule: Schedule, rank: int, forward_only: bool = False) -> Rank
         sends.append([])
         waiting = []
     fused = frozenset((p.pipe, p.stage, p.microbatch) for p in passes if p.kind is PassKind.BW)
-    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), fused)
+    paired = frozenset(i for i in range(len(passes) - 1) if schedule.partner(passes[i]) == passes[i + 1])
+    return RankPlan(schedule, rank, tuple(passes), tuple(receives), tuple(map(tuple, sends)), fused, paired)
 
 
 def _check_forward_order(schedule: Schedule, rank: int) -> None:
@@ -93,6 +99,24 @@ def _check_forward_order(schedule: Schedule, rank: int) -> None:
                     f"forwards of each stage in microbatch order (data iterators are read in that order)"
                 )
             last[p.pipe, p.stage] = p.microbatch
+
+
+@dataclass(frozen=True)
+class PairStep:
+    """An overlapped pair as the watchdog names it (``activity.current_pass``)."""
+
+    forward: Pass
+    backward: Pass
+
+    def __str__(self) -> str:
+        return f"{self.forward} beside {self.backward}"
+
+
+def _input_key(p: Pass, last: int) -> tuple | None:
+    """Where ``p``'s received input waits: an F's activation (not stage 0), a B's gradient (not the last stage)."""
+    if p.kind is PassKind.F:
+        return None if p.stage == 0 else (ACTIVATION, p.pipe, p.stage, p.microbatch)
+    return None if p.stage == last else (GRADIENT, p.pipe, p.stage, p.microbatch)
 
 
 def inbox_key(message: Message) -> tuple:
@@ -120,7 +144,24 @@ class Executor:
         profiler=None,
         receive_lookahead: int = 0,
         prefix_check: PrefixCheck | None = None,
+        pairs: Pairs | None = None,
     ):
+        if plan.paired and pairs is None:
+            raise ScheduleError(
+                f"{plan.schedule.name}: rank {plan.rank} runs overlapped pairs, but the executor was given no "
+                "overlap.Pairs (twin process groups) to run them with"
+            )
+        if plan.paired and profiler is not None and not hasattr(profiler, "run_pair"):
+            raise ScheduleError(
+                f"{plan.schedule.name}: rank {plan.rank} runs overlapped pairs, which {type(profiler).__name__} "
+                "cannot time (it has no run_pair); profile with a PassProfiler or plan without pairs"
+            )
+        if prefix_check is not None and prefix_check.passes - 1 in plan.paired:
+            raise ScheduleError(
+                f"{plan.schedule.name}: rank {plan.rank}'s post-validation prefix ends inside the overlapped pair "
+                f"({plan.passes[prefix_check.passes - 1]}, {plan.passes[prefix_check.passes]}); a pair is one step"
+            )
+        self.pairs = pairs
         self.plan, self.ctx, self.comm, self.store = plan, forward_ctx, comm, store
         self.te_layers = te_layers
         self.shape, self.dtype, self.device = tensor_shape, dtype, device
@@ -168,6 +209,12 @@ class Executor:
                         self._redo_prefix(check)
                         needed, index = 0, 0
                         continue
+                if index in plan.paired:
+                    needed += len(plan.receives[index]) + len(plan.receives[index + 1])
+                    self._run_pair(plan.passes[index], plan.passes[index + 1], needed)
+                    self._post(needed, plan.sends[index] + plan.sends[index + 1])
+                    index += 2
+                    continue
                 p = plan.passes[index]
                 activity.pass_started(p)  # for the watchdog: where this rank is
                 needed += len(plan.receives[index])
@@ -197,6 +244,26 @@ class Executor:
 
     def _waited(self) -> float:
         return self.comm.waited_s
+
+    def _run_pair(self, first: Pass, second: Pass, needed: int) -> None:
+        """One overlapped pair as one step: receives taken here, the two passes side by side (``overlap``)."""
+        forward, backward = (first, second) if first.kind is PassKind.F else (second, first)
+        activity.pass_started(PairStep(forward, backward))  # a stall inside the pair names both
+        self._post(needed, ())
+        schedule = self.plan.schedule
+        for p in (forward, backward):
+            if self.data_parallel is not None:
+                self.data_parallel.wait_unsharded(schedule.chunk_of(p), str(p))
+            key = _input_key(p, schedule.num_stages(p.pipe) - 1)
+            if key is not None and key not in self.inbox:
+                self.inbox[key] = self.comm.wait(key)  # P2P stays in this thread
+        sides = (lambda: self._dispatch[forward.kind](forward), lambda: self._dispatch[backward.kind](backward))
+        assert self.pairs is not None  # checked in __init__
+        if self.profiler is None:
+            self.pairs.run(*sides)
+            return
+        chunks = (schedule.chunk_of(forward), schedule.chunk_of(backward))
+        self.profiler.run_pair((forward, backward), chunks, sides, self.pairs.run)
 
     # -- communication ------------------------------------------------------------------------
     def _redo_prefix(self, check: PrefixCheck) -> None:
@@ -256,7 +323,7 @@ class Executor:
         # A microbatch whose backward is one BW pass runs megatron-core's own linears: W inline,
         # while the gradients are hot in cache, with no queue round trip.
         fused = (p.pipe, p.stage, p.microbatch) in self.plan.fused
-        with contextlib.nullcontext() if fused else self.store.recording():
+        with self.store.paused() if fused else self.store.recording():
             output = steps.forward(self.ctx, chunk, p.microbatch, input_tensor, p.stage == last, first)
         if p.stage < last:
             self._hand_on(p, output)

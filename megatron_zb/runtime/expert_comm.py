@@ -14,6 +14,11 @@ While a ``Meter`` is active (the profiler runs each pass in one) a wrapped call 
 it, and marks its input and output so that its backward, whenever autograd runs it (in B, inside
 that pass's meter), adds its time there. With no meter active the wrappers call straight through.
 Times come from the meter's clock (the profiler's, which synchronises a GPU).
+
+The active meters are the process's (a GPU's backward runs on autograd's own thread), except on
+the two sides of an overlapped pair (``own_thread``): each keeps its own, so that each side's
+all-to-all is booked to its own pass; a thread with none of its own (autograd's, running the
+backward side's backward) books to the backward side's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ WRAPPED = ("all_to_all", "gather_from_sequence_parallel_region", "reduce_scatter
 
 _lock = threading.Lock()
 _meters: list[Meter] = []  # active, innermost last; not per thread: a GPU's backward runs on autograd's thread
+_threads = threading.local()  # .meters: a pair side's own active meters (``own_thread``)
+_backward_side: list[Meter] | None = None  # the backward side's, for threads with none of their own
 
 
 class Meter:
@@ -45,14 +52,42 @@ class Meter:
 def metering(clock: Callable[[], float]) -> Iterator[Meter]:
     """A meter active for the ``with`` block (meters nest: every active one counts a call)."""
     install()
-    meter = Meter(clock)
+    meter, meters = Meter(clock), _here()
     with _lock:
-        _meters.append(meter)
+        meters.append(meter)
     try:
         yield meter
     finally:
         with _lock:
-            _meters.remove(meter)
+            meters.remove(meter)
+
+
+@contextmanager
+def own_thread(backward: bool) -> Iterator[None]:
+    """This thread keeps its own active meters (starting with those active now: an outer meter counts both sides)
+    for the ``with`` block; ``backward``: other threads (autograd's) book to these."""
+    global _backward_side
+    if hasattr(_threads, "meters"):
+        raise RuntimeError("this thread already keeps its own all-to-all meters (an overlapped pair inside a pair)")
+    with _lock:
+        _threads.meters = list(_here())
+        if backward:
+            _backward_side = _threads.meters
+    try:
+        yield
+    finally:
+        with _lock:
+            if backward:
+                _backward_side = None
+            del _threads.meters
+
+
+def _here() -> list[Meter]:
+    """The meters a call on this thread counts in (see the module)."""
+    own = getattr(_threads, "meters", None)
+    if own is not None:
+        return own
+    return _backward_side if _backward_side is not None else _meters
 
 
 def install() -> bool:
@@ -67,9 +102,9 @@ def install() -> bool:
     return True
 
 
-def _add(seconds: float) -> None:
+def _add(seconds: float, meters: list[Meter]) -> None:
     with _lock:
-        for meter in _meters:
+        for meter in meters:
             meter.seconds += seconds
             meter.calls += 1
 
@@ -82,13 +117,15 @@ class _Call:
         self.clock: Callable[[], float] | None = None
 
     def start(self) -> None:
-        if _meters:
-            self.clock = _meters[-1].clock
+        meters = _here()
+        if meters:
+            self.clock = meters[-1].clock
             self.started = self.clock()
 
     def end(self) -> None:
-        if self.started is not None and self.clock is not None and _meters:
-            _add(self.clock() - self.started)
+        meters = _here()
+        if self.started is not None and self.clock is not None and meters:
+            _add(self.clock() - self.started, meters)
         self.started = None
 
 
@@ -109,15 +146,16 @@ class _Mark(torch.autograd.Function):
 
 def _timed(original: Callable) -> Callable:
     def timed(*args, **kwargs):
-        if not _meters:
+        meters = _here()
+        if not meters:
             return original(*args, **kwargs)
-        clock = _meters[-1].clock
+        clock = meters[-1].clock
         call = None
         if torch.is_grad_enabled():
             args, kwargs, call = _mark_input(args, kwargs)
         start = clock()
         output = original(*args, **kwargs)
-        _add(clock() - start)
+        _add(clock() - start, meters)
         if call is not None and isinstance(output, torch.Tensor) and output.requires_grad:
             output = _Mark.apply(output, call.start)
         return output

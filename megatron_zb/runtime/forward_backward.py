@@ -15,6 +15,7 @@ megatron-core's conventions (iterators, groups, shapes, loss shipping, refusals)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from .megatron_contract import (
     refuse_unsupported,
     ship_to_last_rank,
 )
+from .overlap import Pairs, Twins, model_parallel_groups
 from .p2p import DEFAULT_TIMEOUT_S, PipeComm
 from .profiler import NestedProfilers, PassProfiler
 from .replan import Replanner, ReplanReport, ReplanWindow
@@ -99,6 +101,7 @@ class ForwardBackward:
         self.last_store: WeightGradStore | None = None  # the W queue of the latest call (tests, debugging)
         self.last_backend: DataParallelBackend | None = None  # the data-parallel backend of the latest call
         self.redone_prefixes = 0  # iteration prefixes redone after a rolled-back optimizer step
+        self._pair_groups: tuple[tuple, Pairs] | None = None  # the groups twinned, and the pairs' runner
 
     # -- planning -----------------------------------------------------------------------------
     def schedule_for(self, pp: int, microbatches: int, chunks: int | None = None) -> Schedule:
@@ -137,6 +140,12 @@ class ForwardBackward:
     def _broadcasts(self) -> bool:
         # CP-SAT refinement is not deterministic across processes: plan once, share the schedule.
         return self.refine_seconds > 0 and dist.is_initialized()
+
+    def use_schedule(self, schedule: Schedule) -> None:
+        """Run ``schedule`` (built elsewhere, the same on every rank) for its pp and microbatches from the next
+        call on; everything planned before is forgotten."""
+        chunks = schedule.chunks if schedule.chunks > 1 else None
+        self._plans.replan(Setting(schedule.pp, schedule.microbatches, chunks), schedule)
 
     def set_costs(self, costs: CostModel) -> None:
         """Re-plan with measured costs from the next call on (every rank must call this alike)."""
@@ -249,15 +258,29 @@ class ForwardBackward:
         return ctx
 
     def _run_passes(self, call: _Call, ctx: steps.ForwardContext) -> None:
-        """This rank's passes in plan order, megatron-core's own gradient sync held off while they run."""
-        with grad_sync_disabled(call.config, call.models, call.forward_only):
+        """This rank's passes in plan order, megatron-core's own gradient sync held off while they run (and,
+        when the schedule overlaps pairs of passes, the collectives wrapped for them)."""
+        pairs = self._pairs(call)
+        running = pairs.running() if pairs is not None else contextlib.nullcontext()
+        with grad_sync_disabled(call.config, call.models, call.forward_only), running:
             executor = self._executor(
-                call.run, call.groups, ctx, call.shape, call.forward_only, call.timer, call.check, call.backend
+                call.run, call.groups, ctx, call.shape, call.forward_only, call.timer, call.check, call.backend, pairs
             )
             executor.run()
             self.redone_prefixes += executor.redone
             call.backend.finish()
         ctx.finish_reading()
+
+    def _pairs(self, call: _Call) -> Pairs | None:
+        """The twin groups of an overlapped schedule's pairs, made once (collectively: every rank runs the same
+        schedule); None for a schedule without pairs, which makes no groups and wraps nothing."""
+        if call.forward_only or not call.run.lowered.overlapped:
+            return None
+        groups = tuple(model_parallel_groups())
+        cached = self._pair_groups
+        if cached is None or list(map(id, cached[0])) != list(map(id, groups)):  # held: ids stay theirs
+            self._pair_groups = cached = (groups, Pairs(Twins.create(groups)))
+        return cached[1]
 
     def _finalize_grads(self, call: _Call, ctx: steps.ForwardContext, pg_collection, force_all_reduce) -> None:
         """megatron-core's ``finalize_model_grads_func`` after a training call, with the loss rank's token count."""
@@ -321,6 +344,7 @@ class ForwardBackward:
         timer=None,
         check: PrefixCheck | None = None,
         backend: DataParallelBackend | None = None,
+        pairs: Pairs | None = None,
     ):
         config, models = ctx.config, ctx.models
         profiler = self.profiler if self.profiler is not None and self.profiler.active else None
@@ -341,6 +365,7 @@ class ForwardBackward:
             profiler=profiler,
             receive_lookahead=self._lookahead(groups.pp),
             prefix_check=check,
+            pairs=pairs,
         )
 
     def _lookahead(self, group: dist.ProcessGroup) -> int:

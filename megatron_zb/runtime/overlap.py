@@ -9,24 +9,26 @@ of one group must come in one order on all its ranks, and the two sides interlea
 rank. A collective of the backward side on a group without a twin raises, naming it, instead of hanging.
 
 Both sides must have their inputs (received activations, gradients) before the pair starts, and their
-outputs are sent after it ends: a pair is one step of the rank's program. What both sides share is
-safe as used by the executor's passes: the W queue's recording mode is entered once around the pair,
-the forward never defers work, and no side recomputes (a recomputed forward inside the backward would
-run the MoE dispatcher's per-call state beside the other side's forward): ``run_pair`` refuses nothing
-of that itself; the planner pairs passes only where it holds.
-
-Not yet wired into the executor, the IR or the planner: tested on its own (tests/runtime/test_overlap_pair.py).
+outputs are sent after it ends: a pair is one step of the rank's program (``Schedule.overlapped``;
+the executor runs it). Each side keeps its own W-queue recording state and all-to-all meters
+(``wgrad.own_thread``, ``expert_comm.own_thread``), starting from the caller's, so the two entering
+and leaving them in either order undo nothing of the other's; the forward never defers work, and no
+side recomputes (a recomputed forward inside the backward would run the MoE dispatcher's per-call
+state beside the other side's forward): ``run_pair`` refuses nothing of that itself; the planner pairs
+passes only where it holds.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from . import expert_comm, wgrad
 from .collective_wrapper import CollectiveWrapper
 
 A = TypeVar("A")
@@ -66,6 +68,16 @@ class Twins:
 class _Side:
     def __init__(self, turn: threading.Lock, twins: Twins | None):
         self.turn, self.twins = turn, twins
+        self.held = 0.0  # seconds this side held the turn: its compute
+        self._since = 0.0
+
+    def take(self) -> None:
+        self.turn.acquire()
+        self._since = time.perf_counter()
+
+    def give(self) -> None:
+        self.held += time.perf_counter() - self._since
+        self.turn.release()
 
 
 _side = threading.local()  # .value: the _Side of the pair this thread runs, if any
@@ -87,46 +99,102 @@ class PairCollectives(CollectiveWrapper):
         if side.twins is not None:
             kwargs = {**arguments, "group": side.twins.of(arguments.get("group"), op)}
             args = ()
-        side.turn.release()  # the other side computes while this one waits
+        side.give()  # the other side computes while this one waits
         try:
             return original(*args, **kwargs)
         finally:
-            side.turn.acquire()
+            side.take()
 
 
 @contextmanager
 def _as_side(side: _Side) -> Iterator[None]:
     _side.value = side
-    side.turn.acquire()
+    side.take()
     try:
         yield
     finally:
-        side.turn.release()
+        side.give()
         _side.value = None
 
 
 def run_pair(
-    forward: Callable[[], A], backward: Callable[[], B], twins: Twins, wrapper: PairCollectives
+    forward: Callable[[], A],
+    backward: Callable[[], B],
+    twins: Twins,
+    wrapper: PairCollectives,
+    held: list[float] | None = None,
 ) -> tuple[A, B]:
-    """``forward()`` in this thread beside ``backward()`` in another, taking turns to compute (see the module)."""
+    """``forward()`` in this thread beside ``backward()`` in another, taking turns to compute (see the module);
+    ``held`` gets each side's seconds holding the turn (its compute, host time)."""
     if not wrapper.active:
         raise RuntimeError("start the PairCollectives first: the collectives must let the other side compute")
     turn = threading.Lock()
     results: list[Any] = [None, None]
     errors: list[BaseException | None] = [None, None]
+    sides = (_Side(turn, None), _Side(turn, twins))
 
     def run(index: int, work: Callable, side: _Side) -> None:
         try:
-            with _as_side(side):
+            with wgrad.own_thread(), expert_comm.own_thread(backward=index == 1), _as_side(side):
                 results[index] = work()
         except BaseException as error:  # re-raised in the caller's thread
             errors[index] = error
 
-    other = threading.Thread(target=run, args=(1, backward, _Side(turn, twins)), name="overlapped-backward")
+    other = threading.Thread(target=run, args=(1, backward, sides[1]), name="overlapped-backward")
     other.start()
-    run(0, forward, _Side(turn, None))
+    run(0, forward, sides[0])
     other.join()
+    if held is not None:
+        held[:] = [side.held for side in sides]
     for error in errors:
         if error is not None:
             raise error
     return results[0], results[1]
+
+
+class Pairs:
+    """The overlapped pairs of one rank's pass walk: the twin groups (made once, ``Twins.create``) and the
+    collectives wrapped while ``running``."""
+
+    def __init__(self, twins: Twins):
+        self.twins = twins
+        self.wrapper = PairCollectives()
+
+    @contextmanager
+    def running(self) -> Iterator[Pairs]:
+        self.wrapper.start()
+        try:
+            yield self
+        finally:
+            self.wrapper.stop()
+
+    def run(self, forward: Callable[[], object], backward: Callable[[], object]) -> tuple[float, float]:
+        """Run one pair (``run_pair``); each side's seconds of compute."""
+        held: list[float] = []
+        run_pair(forward, backward, self.twins, self.wrapper, held)
+        return held[0], held[1]
+
+
+def model_parallel_groups() -> list[dist.ProcessGroup | None]:
+    """The groups a backward's collectives may use, from megatron-core's ``parallel_state``: the default group,
+    tensor (and context), expert and expert-tensor parallel; those not initialised are left out."""
+    from megatron.core import parallel_state
+
+    getters = (
+        "get_tensor_model_parallel_group",
+        "get_context_parallel_group",
+        "get_tensor_and_context_parallel_group",
+        "get_expert_model_parallel_group",
+        "get_expert_tensor_parallel_group",
+        "get_expert_tensor_and_model_parallel_group",
+    )
+    groups: list[dist.ProcessGroup | None] = [None]
+    for name in getters:
+        getter = getattr(parallel_state, name, None)
+        try:
+            group = getter() if getter is not None else None
+        except (AssertionError, RuntimeError):  # not initialised in this run
+            group = None
+        if isinstance(group, dist.ProcessGroup):
+            groups.append(group)
+    return groups

@@ -14,12 +14,19 @@ so its time is taken there (``expert_comm``): each compute record carries the se
 spent in it, booked under the all-to-all kinds (A2A_F in an F, A2A_B in a B or BW) by
 ``stage_sums``; the cost model's T_a2a (t_a2a_b) is their mean over the F (B, BW) passes
 (the A2A actions of a lowered schedule run nothing: the pass after them does the work).
+
+An overlapped pair (``run_pair``) is timed as one step, its span split between its two records in
+proportion to each side's compute (the seconds it held the turn), so that the records still tile
+the rank's time; each side's all-to-all is metered on its own (that side's wait for its turn after
+a collective included). Paired records carry their ``partner`` and are left out of the costs: a
+pass's own time is not measured inside a pair, only the pair's (the span of its two records).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -44,6 +51,7 @@ class PassRecord:
     end: float
     waited: float = 0.0  # seconds blocked on this pass's receives (not in start..end)
     a2a: float = 0.0  # seconds of expert-parallel all-to-all inside it (in start..end)
+    partner: Pass | None = None  # the pass it ran beside in an overlapped pair
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,39 @@ class PassProfiler:
         idle = (waited() - before) if waited is not None else 0.0
         self.records.append(PassRecord(self.iteration, p, chunk, start + idle, end, idle, meter.seconds))
 
+    def run_pair(
+        self,
+        pair: tuple[Pass, Pass],
+        chunks: tuple[int, int],
+        sides: tuple[Callable[[], object], Callable[[], object]],
+        run: Callable[[Callable[[], object], Callable[[], object]], tuple[float, float]],
+    ) -> None:
+        """Time ``run(*sides)`` (an overlapped pair, which returns each side's compute seconds) as one step,
+        each side's all-to-all metered in its own thread (see the module)."""
+        metered = [0.0, 0.0]
+
+        def side(index: int) -> Callable[[], object]:
+            def go() -> object:
+                with expert_comm.metering(self.now) as meter:
+                    try:
+                        return sides[index]()
+                    finally:
+                        metered[index] = meter.seconds
+
+            return go
+
+        start = self.now()
+        held = run(side(0), side(1))
+        end = self.now()
+        share = held[0] / sum(held) if sum(held) > 0 else 0.5
+        middle = start + (end - start) * share
+        for index, (begin, finish) in enumerate(((start, middle), (middle, end))):
+            self.records.append(
+                PassRecord(
+                    self.iteration, pair[index], chunks[index], begin, finish, 0.0, metered[index], pair[1 - index]
+                )
+            )
+
     def call(self, start: float, end: float, posted: float) -> None:
         """Record one executor run (see ``CallRecord``)."""
         self.calls.append(CallRecord(self.iteration, start, end, posted))
@@ -141,6 +182,9 @@ class NestedProfilers:
     def run(self, p: Pass, chunk: int, fn, arg, waited=None) -> None:
         self.outer.run(p, chunk, lambda x: self.inner.run(p, chunk, fn, x, waited), arg, waited)
 
+    def run_pair(self, pair, chunks, sides, run) -> None:
+        self.outer.run_pair(pair, chunks, sides, lambda *inner: self.inner.run_pair(pair, chunks, inner, run))
+
     def call(self, start: float, end: float, posted: float) -> None:
         self.outer.call(start, end, posted)
         self.inner.call(start, end, posted)
@@ -150,8 +194,8 @@ def stage_sums(records: list[PassRecord], schedule: Schedule) -> dict[tuple[str,
     """(kind, full stage) -> (sum of per-stage-scaled seconds, count) of ``records``."""
     sums: dict[tuple[str, int], tuple[float, int]] = {}
     for record in records:
-        if not record.pass_.kind.is_compute:
-            continue  # data-parallel actions: their host time is not a cost of the model
+        if not record.pass_.kind.is_compute or record.partner is not None:
+            continue  # data-parallel actions: their host time is not a cost of the model; pairs: see the module
         placement = schedule.placements[record.pass_.pipe]
         stage = placement.full_stage(record.pass_.stage)
         seconds = (record.end - record.start) * placement.chunks
@@ -166,7 +210,7 @@ def block_sums(records: list[PassRecord]) -> dict[tuple[str, int], tuple[float, 
     """(kind, block) -> (sum of seconds, count) of ``records``: what each block's passes took, unscaled."""
     sums: dict[tuple[str, int], tuple[float, int]] = {}
     for record in records:
-        if record.pass_.kind.is_compute:
+        if record.pass_.kind.is_compute and record.partner is None:
             add_sums(sums, {(record.pass_.kind.value, record.pass_.stage): (record.end - record.start, 1)})
     return sums
 

@@ -9,6 +9,7 @@ DDP's hooks see them exactly as after a plain backward.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -20,8 +21,11 @@ import torch
 Key = tuple[int, int]  # (model chunk, microbatch)
 
 # Not thread-local: on GPUs autograd runs backward functions (and recomputed forwards) on its
-# own device threads. One executor runs one pass at a time per process.
+# own device threads. Outside overlapped pairs one executor runs one pass at a time per process.
 _active: WeightGradStore | None = None
+# A side of an overlapped pair (``own_thread``) keeps its own, so that the two sides entering and
+# leaving ``recording`` in either order cannot restore each other's state.
+_threads = threading.local()  # .store: this thread's active store, while it has its own
 
 
 class WeightGradJob(Protocol):
@@ -43,12 +47,14 @@ class WeightGradStore:
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Route split layers through their splittable autograd functions (F and B passes)."""
-        global _active
-        previous, _active = _active, self
-        try:
+        with _activated(self):
             yield
-        finally:
-            _active = previous
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave split layers to megatron-core's own function (the F of a microbatch whose backward is a BW)."""
+        with _activated(None):
+            yield
 
     @contextmanager
     def deferring(self, key: Key, fifo_jobs: Sequence[WeightGradJob] = ()) -> Iterator[None]:
@@ -114,8 +120,40 @@ class WeightGradStore:
 
 
 def active_store() -> WeightGradStore | None:
-    """The store of the pass running now, or None outside our executor."""
+    """The store of the pass running now (this thread's, on a side of a pair), or None outside our executor."""
+    if hasattr(_threads, "store"):
+        return _threads.store
     return _active
+
+
+@contextmanager
+def own_thread() -> Iterator[None]:
+    """This thread keeps its own active store (starting from the one active now) for the ``with`` block: each
+    side of an overlapped pair, whose ``recording`` must not undo the other side's."""
+    if hasattr(_threads, "store"):
+        raise RuntimeError("this thread already keeps its own W-queue state (an overlapped pair inside a pair)")
+    _threads.store = active_store()
+    try:
+        yield
+    finally:
+        del _threads.store
+
+
+@contextmanager
+def _activated(store: WeightGradStore | None) -> Iterator[None]:
+    global _active
+    if hasattr(_threads, "store"):
+        previous, _threads.store = _threads.store, store
+        try:
+            yield
+        finally:
+            _threads.store = previous
+        return
+    previous, _active = _active, store
+    try:
+        yield
+    finally:
+        _active = previous
 
 
 def accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
