@@ -15,6 +15,7 @@ GROUP = "zero bubble (megatron-zb)"
 V_MEMORY_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
 SAME_INIT = "--zero-bubble-placement-independent-init"
 KEYED_DROPOUT = "--zero-bubble-order-independent-dropout"
+OVERLAP_F_B = "--zero-bubble-overlap-f-b"
 PENDING_AUTO = (
     "'auto' (a limit adapted to free GPU memory) is not supported; give a number of microbatches, e.g. the pipeline "
     "size (ZB-1p) or twice it (ZB-2p), or use --zero-bubble-memory-limit"
@@ -46,6 +47,11 @@ ZERO_BUBBLE_FLAGS = (
         needs_schedule=True),
     _zb("--no-zero-bubble-replan", "keep the schedule planned at start (unit costs): time no passes and never "
         "re-plan", switch=True),
+    _zb(OVERLAP_F_B, "MoE with expert parallelism: run one microbatch's forward beside another's backward on a rank "
+        "where the re-planned schedule gains (DualPipe's overlapped F&B), so each one's expert-parallel all-to-all "
+        "waits while the other computes; the pairs are placed when the schedule is re-planned with the measured "
+        "all-to-all time, and train equal to the passes one after the other", switch=True, default=False,
+        needs_schedule=True),
     _zb("--zero-bubble-save-costs", "after re-planning, the first rank writes the measured costs to FILE (JSON), for "
         "`megatron-zb plan --costs-from FILE`", metavar="FILE", verify="verify writes only in its folder"),
     _zb("--allow-padding-num-layers", "let --num-layers + 2 divide by the pipeline blocks: the blocks holding the "

@@ -93,6 +93,7 @@ class ZeroBubbleSettings:
     breadth_first_microbatches: int | None = None  # breadth-first families: microbatches per group
     shared: tuple = ()  # blocks kept twice (Schedule.shared)
     layers: int | None = None  # the model's, for ``auto`` (None with --allow-padding-num-layers)
+    overlap_f_b: bool = False  # re-plans place overlapped F&B pairs (--zero-bubble-overlap-f-b)
 
     @property
     def placement(self) -> Placement:
@@ -175,6 +176,7 @@ def schedule_settings(args: argparse.Namespace) -> ZeroBubbleSettings | None:
         breadth_first_microbatches=group,
         shared=schedule.shared,
         layers=layers,
+        overlap_f_b=_overlap_f_b(args, post_validation),
     )
 
 
@@ -229,6 +231,36 @@ def _post_validation(args: argparse.Namespace) -> bool:
         raise ValueError(
             f"--optimizer-post-validation-rollback in-place undoes a step by running Adam's update backwards; "
             f"--optimizer {optimizer} has no such inverse: use --optimizer-post-validation-rollback exact"
+        )
+    return True
+
+
+def _overlap_f_b(args: argparse.Namespace, post_validation: bool) -> bool:
+    """--zero-bubble-overlap-f-b, where it can hide something and the pairs can run."""
+    if not getattr(args, "zero_bubble_overlap_f_b", False):
+        return False
+    flag = "--zero-bubble-overlap-f-b"
+    if not getattr(args, "num_experts", None) or (getattr(args, "expert_model_parallel_size", 1) or 1) < 2:
+        raise ValueError(
+            f"{flag} hides the expert-parallel all-to-all of MoE layers behind another microbatch's compute: it "
+            "needs --num-experts and --expert-model-parallel-size of 2 or more"
+        )
+    modules = getattr(args, "recompute_modules", None) or []
+    if getattr(args, "recompute_granularity", None) == "full" or "moe" in modules:
+        raise ValueError(
+            f"{flag} with recomputation of whole layers or MoE layers: a backward that recomputes its forward would "
+            "run the MoE dispatcher beside the other microbatch's forward; drop --recompute-granularity full "
+            "(or 'moe' from --recompute-modules), as megatron-core's own all-to-all overlap requires"
+        )
+    if post_validation:
+        raise ValueError(
+            f"{flag} with --enable-optimizer-post-validation: an iteration prefix redone after an undone step may "
+            "end inside a pair; use one of them"
+        )
+    if _replan_window(args) is None:
+        raise ValueError(
+            f"{flag} places the pairs when the schedule is re-planned with the measured all-to-all time, which "
+            "--no-zero-bubble-replan turns off; drop one of them"
         )
     return True
 

@@ -129,5 +129,6 @@ def runner_for(settings: ZeroBubbleSettings):
             post_validation=settings.post_validation,
             breadth_first_microbatches=settings.breadth_first_microbatches,
             layers=settings.layers,
+            overlap_f_b=settings.overlap_f_b,
         )
     return _runners[settings]

@@ -56,8 +56,8 @@ __all__ = ["CONFIG_ATTRIBUTE", "ForwardBackward"]  # CONFIG_ATTRIBUTE: where meg
 class ForwardBackward:
     """Runs ``schedule`` (a registered name, or ``file:PATH``) with megatron-core's forward_backward contract.
 
-    ``memory_limit``, ``costs``, ``chunks``, ``post_validation``, ``breadth_first_microbatches`` and ``layers``
-    are passed to the generator; ``timeout_s``
+    ``memory_limit``, ``costs``, ``chunks``, ``post_validation``, ``breadth_first_microbatches``, ``layers`` and
+    ``overlap_f_b`` (pair F and B passes where the costs' all-to-all time makes it pay) are passed to the generator; ``timeout_s``
     bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
     ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
     computes the loss (V placements), because Megatron-LM reads and logs them only there.
@@ -81,6 +81,7 @@ class ForwardBackward:
         post_validation: bool = False,
         breadth_first_microbatches: int | None = None,
         layers: int | None = None,
+        overlap_f_b: bool = False,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds each P2P wait may take), got {timeout_s}")
@@ -90,6 +91,7 @@ class ForwardBackward:
         self.post_validation = post_validation
         self.breadth_first_microbatches = breadth_first_microbatches
         self.layers = layers  # ``auto`` plans only placements whose blocks split them
+        self.overlap_f_b = overlap_f_b  # plans with all-to-all time place overlapped F&B pairs
         self.timeout_s = timeout_s
         self.profiler = profiler
         self.receive_lookahead = receive_lookahead
@@ -131,6 +133,7 @@ class ForwardBackward:
             self.post_validation,
             self.breadth_first_microbatches,
             self.layers,
+            overlap_f_b=self.overlap_f_b,
         )
 
     @property

@@ -52,6 +52,8 @@ class ReplanReport:
     new_bubble: float  # the re-planned schedule under the measured costs
     replaced: bool
     reason: str = ""
+    pairs: int = 0  # overlapped F&B pairs of the new plan (Schedule.overlapped)
+    times: tuple[float, float] | None = None  # predicted iteration (makespan, ms): the current plan, the new one
 
     def message(self) -> str:
         first, last = self.iterations
@@ -66,9 +68,13 @@ class ReplanReport:
             )
         )
         if self.replaced:
+            pairs = f" with {self.pairs} overlapped F&B pairs" if self.pairs else ""
+            # A pair's hidden all-to-all is no longer work: its bubble share may grow while the iteration shortens.
+            times = f", iteration {self.times[0]:.4g} -> {self.times[1]:.4g} ms" if self.pairs and self.times else ""
             return (
-                f"re-planned {self.old} -> {self.new} from the {timed}; predicted bubble {self.old_bubble:.1%} -> "
-                f"{self.new_bubble:.1%} (the initial plan predicted {self.planned_bubble:.1%} with the costs it "
+                f"re-planned {self.old} -> {self.new}{pairs} from the {timed}; predicted bubble "
+                f"{self.old_bubble:.1%} -> {self.new_bubble:.1%}{times} (the initial plan predicted "
+                f"{self.planned_bubble:.1%} with the costs it "
                 "assumed)"
             )
         return f"kept {self.old} after the {timed}: {self.reason}"
@@ -82,6 +88,8 @@ class ReplanReport:
             "new_bubble": self.new_bubble,
             "replaced": self.replaced,
             "reason": self.reason,
+            "pairs": self.pairs,
+            "times": list(self.times) if self.times else None,
         }
 
 
@@ -167,7 +175,13 @@ class Replanner:
             )
             return _kept(fields, before.bubble_rate, reason, candidate.name, after.bubble_rate), None
         report = ReplanReport(
-            **fields, new=candidate.name, old_bubble=before.bubble_rate, new_bubble=after.bubble_rate, replaced=True
+            **fields,
+            new=candidate.name,
+            old_bubble=before.bubble_rate,
+            new_bubble=after.bubble_rate,
+            replaced=True,
+            pairs=len(candidate.overlapped),
+            times=(before.makespan, after.makespan),
         )
         return report, schedule_to_data(candidate)
 

@@ -219,3 +219,16 @@ def test_the_reference_implementations_flags_are_taken_with_a_note() -> None:
     assert notes[0].startswith("--enable-zb-runtime has no effect")
     assert notes[1].startswith("--zero-bubble-max-pending-backward has no effect on V schedules")
     assert zero_bubble_notes(settings("--enable-zero-bubble --zero-bubble-max-pending-backward 8")) == []
+
+
+def test_overlapped_pairs_are_asked_for_and_refused_with_recomputed_moe_layers() -> None:
+    args = settings(
+        "--num-experts 8 --expert-model-parallel-size 2 --cpu-procs 8 --enable-zero-bubble --zero-bubble-overlap-f-b"
+    )
+    assert args.zero_bubble.overlap_f_b and not settings("--enable-zero-bubble").zero_bubble.overlap_f_b
+    for field, value in (("recompute_granularity", "full"), ("recompute_modules", ["core_attn", "moe"])):
+        recomputed = argparse.Namespace(**{**vars(args), field: value})
+        with pytest.raises(ValueError, match="recomputation of whole layers or MoE layers"):
+            schedule_settings(recomputed)
+    selective = argparse.Namespace(**{**vars(args), "recompute_granularity": "selective"})
+    assert schedule_settings(selective).overlap_f_b

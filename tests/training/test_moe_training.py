@@ -16,6 +16,7 @@ every iteration must agree. One run stops halfway with a checkpoint and resumes 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,17 @@ def rank_rows(args: argparse.Namespace) -> dict[int, tuple[float, float]]:
 
     rows = run_rank(args, torch.device("cpu"), gloo=True)
     return {row["iteration"]: (row["loss"], row["grad_norm"]) for row in rows if row["loss"] is not None}
+
+
+def rows_and_pairs(args: argparse.Namespace) -> tuple[dict[int, tuple[float, float]], int | None, str]:
+    """On a pooled worker: ``rank_rows``, how many overlapped F&B pairs the re-planned schedule has (None: no
+    re-plan happened) and what the re-plan said."""
+    from megatron_zb.megatron.install import runner_for
+
+    rows = rank_rows(args)
+    report = runner_for(args.zero_bubble).replan_report
+    replaced = report is not None and report.replaced
+    return rows, (report.pairs if replaced else None), report.message() if report is not None else ""
 
 
 def moe_layers(args: argparse.Namespace) -> list[tuple[int, int, int]]:
@@ -148,6 +160,25 @@ def test_ep2_schedules_equal_megatron_cores(pool4: WorkerPool, model: str) -> No
     assert_agree(runs)
 
 
+# Re-planned from iteration 3's measured costs, with the all-to-all time: the pairs train as the passes in turn.
+OVERLAP = (
+    "--zero-bubble-overlap-f-b --zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 3"
+)
+
+
+def test_ep2_overlapped_pairs_equal_megatron_cores(pool4: WorkerPool) -> None:
+    extra = f"--train-iters {ITERATIONS} --expert-model-parallel-size 2"
+    runs = {"megatron-core": train(pool4, "mixtral", extra)}
+    found = pool4.run(rows_and_pairs, args=arguments("mixtral", 4, f"{extra} --pipeline-schedule 1f1b {OVERLAP}"))
+    rows = [rows for rows, _, _ in found if rows]
+    pairs = {count for _, count, _ in found}
+    assert len(pairs) == 1 and pairs.pop(), f"the re-plan placed no pairs: {found}"
+    said = found[0][2]
+    assert "overlapped F&B pairs" in said and re.search(r"iteration [\d.]+ -> [\d.]+ ms", said), said
+    runs["1f1b with pairs"] = rows[0]
+    assert_agree(runs)
+
+
 def test_moe_flags_are_checked_before_anything_starts() -> None:
     line = f"{BASE} --cpu-procs 4 --global-batch-size 16 --train-iters 2"
     refusals = {
@@ -163,6 +194,14 @@ def test_moe_flags_are_checked_before_anything_starts() -> None:
         "--num-experts 8 --moe-router-enable-expert-bias": "needs --moe-router-score-function sigmoid",
         f"{MIXTRAL.replace('aux_loss', 'global_aux_loss')} --pipeline-schedule bitpipe-zb": "bitpipe-zb with "
         "--moe-router-load-balancing-type global_aux_loss: the schedule keeps two copies",
+        "--num-experts 8 --zero-bubble-overlap-f-b --enable-zero-bubble": "needs --num-experts and "
+        "--expert-model-parallel-size of 2 or more",
+        "--num-experts 8 --expert-model-parallel-size 2 --zero-bubble-overlap-f-b": "applies to megatron-zb "
+        "schedules only",
+        "--num-experts 8 --expert-model-parallel-size 2 --zero-bubble-overlap-f-b --enable-zero-bubble "
+        "--no-zero-bubble-replan": "which --no-zero-bubble-replan turns off",
+        "--num-experts 8 --expert-model-parallel-size 2 --zero-bubble-overlap-f-b --enable-zero-bubble "
+        "--enable-optimizer-post-validation": "--zero-bubble-overlap-f-b with --enable-optimizer-post-validation",
     }
     for flags, message in refusals.items():
         with pytest.raises(ValueError) as refused:
