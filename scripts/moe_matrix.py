@@ -13,10 +13,11 @@ reference too, draws its weights with ``--zero-bubble-placement-independent-init
 start from 1F1B's weights. A row's result is ``OK`` (loss and grad norm of every iteration within 1e-5 relative of
 the reference), ``differs`` (the largest relative difference), ``refused`` (exit 2 before spawn: the message) or
 ``failed`` (the last line of its error). The ``resume`` row saves zb-v at iteration 5, resumes, and compares 6-10
-with the uninterrupted zb-v run.
+with the uninterrupted zb-v run; ``bitpipe-zb resume`` does the same with BitPipe (two copies of each block, one saved).
 
 Resumable: rows are appended to ``--results`` (JSON lines) as they finish, and rows already there are skipped
-(``--retry-failed`` runs the failed ones again); each run's command and output are kept in
+(``--retry-failed`` runs the failed ones again, ``--only SCHEDULE`` the rows of that schedule, its references taken
+from ``--results``); each run's command and output are kept in
 ``$TMPDIR/moe-matrix-logs``. One row at a time (10-40 s of gloo processes each; a checkout in 10-20 min). Example::
 
     .venv/bin/python scripts/moe_matrix.py --megatron-lm ../shared/megatron-lm/core_v0.16.1
@@ -71,7 +72,8 @@ SCHEDULES = {
     "bitpipe-zb": "--pipeline-schedule bitpipe-zb",
     "v-auto": "--pipeline-schedule v-auto",
 }
-RESUMED = "zb-v"  # the resume row: saved at HALF, resumed, HALF+1..ITERATIONS against the uninterrupted run
+# the resume rows (row name -> schedule): saved at HALF, resumed, HALF+1..ITERATIONS against the uninterrupted run
+RESUMED = {"resume": "zb-v", "bitpipe-zb resume": "bitpipe-zb"}
 EXPERT_PARALLEL = (1, 2)
 LOGS = Path(tempfile.gettempdir()) / "moe-matrix-logs"  # each run's command and output, kept for a failed row
 
@@ -135,14 +137,17 @@ def compared(done, seconds, found, reference, base: dict) -> dict:
     return {**base, "result": result, "max_rel_diff": worst, "why": "", "seconds": seconds, "iterations": measured}
 
 
-def run_matrix(root: Path, name: str, scratch: Path, results: Path, done_rows: dict) -> None:
-    """Every (model, EP, schedule) row not in ``done_rows``, then the resume row; the reference's iterations come
-    from its recorded row."""
+def run_matrix(root: Path, name: str, scratch: Path, results: Path, done_rows: dict, only: list[str]) -> None:
+    """Every (model, EP, schedule) row not in ``done_rows`` (of the ``only`` schedules when given), then the resume
+    row; the reference's iterations come from its recorded row."""
     for model in MODELS:
         for ep in EXPERT_PARALLEL:
             for schedule, flags in SCHEDULES.items():
+                if only and schedule not in only:
+                    continue
                 base = {"checkout": name, "model": model, "ep": ep, "schedule": schedule}
-                saving = schedule == RESUMED and row_key({**base, "schedule": "resume"}) not in done_rows
+                resume = next((row for row, resumed in RESUMED.items() if resumed == schedule), None)
+                saving = resume is not None and row_key({**base, "schedule": resume}) not in done_rows
                 if row_key(base) in done_rows and not saving:
                     continue
                 reference = iterations(done_rows.get(row_key({**base, "schedule": REFERENCE})))
@@ -157,7 +162,7 @@ def run_matrix(root: Path, name: str, scratch: Path, results: Path, done_rows: d
                 record(row, results, done_rows)  # a later line of the same row supersedes an earlier
                 if saving and done.returncode == 0:
                     (checkpoint / "latest_checkpointed_iteration.txt").write_text(str(HALF))
-                    resumed = {"checkout": name, "model": model, "ep": ep, "schedule": "resume"}
+                    resumed = {"checkout": name, "model": model, "ep": ep, "schedule": resume}
                     again, seconds, later = launch(
                         root, model, ep, flags, scratch / f"{label}-resumed.jsonl", "--load", str(checkpoint)
                     )
@@ -206,7 +211,7 @@ def result_text(row: dict) -> str:
 
 
 def table(rows: dict) -> str:
-    order = [REFERENCE, *[name for name in SCHEDULES if name != REFERENCE], "resume"]
+    order = [REFERENCE, *[name for name in SCHEDULES if name != REFERENCE], *RESUMED]
     ranked = sorted(
         rows.values(),
         key=lambda r: (r["checkout"], list(MODELS).index(r["model"]), r["ep"], order.index(r["schedule"])),
@@ -221,9 +226,9 @@ def table(rows: dict) -> str:
         "Written by `scripts/moe_matrix.py` (its docstring gives the two models and how a row is compared): each row "
         f"is {ITERATIONS} iterations of `python -m megatron_zb.pretrain_gpt --megatron-lm <checkout> --cpu` at pp 2, "
         "expert parallelism 1 (2 gloo processes) or 2 (4), compared with megatron-core's 1F1B of the same line "
-        f"(loss and grad norm, {TOLERANCE:g} relative; OK gives the largest relative difference). `resume`: zb-v "
-        f"saved at iteration {HALF} and resumed, against "
-        f"the uninterrupted zb-v. {len(ranked)} rows: {head}.",
+        f"(loss and grad norm, {TOLERANCE:g} relative; OK gives the largest relative difference). `resume` "
+        f"(`bitpipe-zb resume`): zb-v (bitpipe-zb) saved at iteration {HALF} and resumed, against "
+        f"the uninterrupted run. {len(ranked)} rows: {head}.",
         "",
         "Run as `.venv/bin/python scripts/moe_matrix.py --megatron-lm ../shared/megatron-lm/core_v0.16.1` (Python "
         "3.11, megatron-core 0.16.1 installed) and `.venv-mcore-0.19.2/bin/python scripts/moe_matrix.py "
@@ -248,10 +253,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, default=ROOT / "docs" / "moe_matrix.md")
     parser.add_argument("--table-only", action="store_true", help="write the table from --results and stop")
     parser.add_argument("--retry-failed", action="store_true", help="run the rows that failed again")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=[name for name in SCHEDULES if name != REFERENCE],
+        metavar="SCHEDULE",
+        help="run only this schedule's rows again (repeatable), against the references recorded in --results",
+    )
     options = parser.parse_args(argv)
     done_rows = read_results(options.results)
     if options.retry_failed and not options.table_only:
         done_rows = {key: row for key, row in done_rows.items() if row["result"] != "failed"}
+    if options.only and not options.table_only:
+        name = options.megatron_lm.resolve().name
+        done_rows = {
+            key: row
+            for key, row in done_rows.items()
+            if not (key[0] == name and RESUMED.get(row["schedule"], row["schedule"]) in options.only)
+        }
     if not options.table_only:
         name = options.megatron_lm.resolve().name
         with tempfile.TemporaryDirectory(prefix="moe-matrix-") as folder:
@@ -260,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(options.megatron_lm, root, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
             for path in (root, *root.rglob("*")):
                 path.chmod(path.stat().st_mode | 0o200)
-            run_matrix(root, name, scratch, options.results, done_rows)
+            run_matrix(root, name, scratch, options.results, done_rows, options.only)
     options.results.write_text("".join(json.dumps(row) + "\n" for row in done_rows.values()))  # superseded out
     options.table.write_text(table(done_rows))
     return 0

@@ -143,18 +143,29 @@ def build_pipes(config, placements: tuple[Placement, ...], rank: int, shared=(),
         return build_gpt_chunks(config, placements[0], rank, **kwargs)
     import copy
 
-    chunks, replicas = [], {later for _, later in shared}
-    for pipe, placement in enumerate(placements):
+    chunks = []
+    for placement in placements:
         pipe_config = copy.copy(config)
         pipe_config.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
         pipe_config.pipeline_model_parallel_layout = None
-        built = build_gpt_chunks(pipe_config, placement, rank, **kwargs)
-        for index, chunk in enumerate(built):
-            if (pipe, placement.stage_of(rank, placement.chunk_base + index)) in replicas:
-                for param in chunk.parameters():
-                    param.shared = True
-        chunks += built
+        chunks += build_gpt_chunks(pipe_config, placement, rank, **kwargs)
+    mark_replicas(chunks, placements, rank, shared)
     return chunks
+
+
+def mark_replicas(chunks: list, placements: tuple[Placement, ...], rank: int, shared=()) -> None:
+    """Of two copies of a block (``shared``, as ``Schedule.shared``: pairs of (pipe, block)) the later pipe's
+    parameters are marked ``shared``, as megatron marks a tied copy: the gradient norm counts each weight once.
+
+    ``chunks`` is this rank's model list, each pipe's chunks after the pipes before it.
+    """
+    replicas, offset = {later for _, later in shared}, 0
+    for pipe, placement in enumerate(placements):
+        for index in range(placement.chunks):
+            if (pipe, placement.stage_of(rank, placement.chunk_base + index)) in replicas:
+                for param in chunks[offset + index].parameters():
+                    param.shared = True
+        offset += placement.chunks
 
 
 def _spec_for(spec, config, vp_stage: int | None):
@@ -198,26 +209,30 @@ def _check_rank(placement: Placement, rank: int) -> None:
             )
 
 
-def use_placement_layout(config, placement: Placement) -> None:
-    """Check the config against the placement; install a PlacementLayerLayout where megatron's mapping differs."""
+def use_placement_layout(config, placement: Placement, pipes: tuple[Placement, ...] = ()) -> None:
+    """Check the config against the placement; install a PlacementLayerLayout where megatron's mapping differs.
+
+    ``pipes`` (``placement`` first): every pipe of one model list (BitPipe's two), whose chunks all count.
+    """
+    pipes = tuple(pipes) or (placement,)
     if config.pipeline_model_parallel_size != placement.pp:
         raise ValueError(
             f"pipeline_model_parallel_size is {config.pipeline_model_parallel_size} but the {placement.kind} "
             f"placement has {placement.pp} ranks; set --pipeline-model-parallel-size {placement.pp}"
         )
-    virtual = config.virtual_pipeline_model_parallel_size
-    if (virtual or 1) != placement.chunks:
-        wanted = placement.chunks if placement.chunks > 1 else None
+    virtual, chunks = config.virtual_pipeline_model_parallel_size, sum(pipe.chunks for pipe in pipes)
+    if (virtual or 1) != chunks:
+        wanted = chunks if chunks > 1 else None
         raise ValueError(
             f"virtual_pipeline_model_parallel_size is {virtual} but the {placement.kind} placement runs "
-            f"{placement.chunks} chunk(s) per rank; set it to {wanted}"
+            f"{chunks} chunk(s) per rank; set it to {wanted}"
         )
     layout = config.pipeline_model_parallel_layout
     if isinstance(layout, PlacementLayerLayout):
-        if layout.placement != placement:
+        if layout.placements != pipes:
             raise ValueError(
-                f"config.pipeline_model_parallel_layout was built for the {layout.placement.kind} placement "
-                f"(pp={layout.placement.pp}), not this {placement.kind} one (pp={placement.pp})"
+                f"config.pipeline_model_parallel_layout was built for {layout!r}, not this {placement.kind} "
+                f"placement (pp={placement.pp}, {len(pipes)} pipe(s))"
             )
         return
     if uses_megatron_mapping(placement):
@@ -245,7 +260,8 @@ def use_placement_layout(config, placement: Placement) -> None:
     from .parsed_args import megatron_lm_args
 
     mtp = getattr(config, "mtp_num_layers", None)
-    layout = PlacementLayerLayout(placement, block_layers(megatron_lm_args(), config.num_layers, placement), mtp or 0)
+    layers = block_layers(megatron_lm_args(), config.num_layers, placement)
+    layout = PlacementLayerLayout(placement, layers, mtp or 0, pipes)
     layout.validate_layer_layout(config.num_layers, mtp)
     config.pipeline_model_parallel_layout = layout
 

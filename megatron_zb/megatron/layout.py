@@ -26,14 +26,19 @@ class PlacementLayerLayout(PipelineParallelLayerLayout):
     base class keeps them; only the (rank, vp stage) -> block mapping differs. Multi-token
     prediction layers (``mtp_layers``) sit in the last block, before the loss, where megatron-core
     builds them (``mtp_on_this_rank`` reads this layout): under V that is rank 0's second chunk.
+
+    ``pipes`` (BitPipe: two mirrored placements of the same blocks, on consecutive chunk ids) puts
+    every pipe's blocks on its ranks' chunks: vp stage ``c`` is chunk id ``c`` of whichever pipe owns it,
+    so one model list of ``sum(chunks)`` chunks holds each block twice, with the same layers.
     """
 
-    def __init__(self, placement: Placement, layers: list[int], mtp_layers: int = 0):
+    def __init__(self, placement: Placement, layers: list[int], mtp_layers: int = 0, pipes: tuple[Placement, ...] = ()):
         if len(layers) != placement.num_stages or any(count < 0 for count in layers):
             raise ValueError(
                 f"need a non-negative decoder layer count for each of the {placement.num_stages} blocks "
                 f"of the {placement.kind} placement, got {list(layers)}"
             )
+        self.placements = _pipes(placement, pipes)
         last = placement.num_stages - 1
         self.placement = placement
         self.layers = tuple(layers)
@@ -45,32 +50,40 @@ class PlacementLayerLayout(PipelineParallelLayerLayout):
             + [LayerType.loss] * (block == last)
             for block, count in enumerate(layers)
         ]
-        base = placement.chunk_base
-        self.layout = [[None] * placement.chunks for _ in range(placement.pp)]
-        for block, (rank, chunk) in enumerate(placement.blocks):
-            self.layout[rank][chunk - base] = list(self.blocks[block])
-        self.flatten_layout = [layer for block in self.blocks for layer in block]
+        base, chunks = placement.chunk_base, sum(pipe.chunks for pipe in self.placements)
+        self.layout = [[None] * chunks for _ in range(placement.pp)]
+        for pipe in self.placements:
+            for block, (rank, chunk) in enumerate(pipe.blocks):
+                self.layout[rank][chunk - base] = list(self.blocks[block])
+        self.flatten_layout = [layer for block in self.blocks for layer in block]  # one pipe's: the model's layers
         self.pipeline_model_parallel_size = placement.pp
-        self.virtual_pipeline_model_parallel_size = placement.chunks
+        self.virtual_pipeline_model_parallel_size = chunks
         self.input_data = "|".join("".join(_CHARS[layer] for layer in block) for block in self.blocks)
 
     def __repr__(self) -> str:
-        return f"PlacementLayerLayout({self.placement.kind}, pp={self.placement.pp}, blocks {self.input_data})"
+        kinds = " + ".join(pipe.kind for pipe in self.placements)
+        return f"PlacementLayerLayout({kinds}, pp={self.placement.pp}, blocks {self.input_data})"
+
+    def pipe_of(self, vp_stage: int | None = None) -> Placement:
+        """The placement (pipe) whose chunk is vp stage ``vp_stage``."""
+        if vp_stage is None:
+            if self.virtual_pipeline_model_parallel_size > 1:
+                raise ValueError(
+                    f"vp_stage must be given: the {self.placement.kind} placement has "
+                    f"{self.virtual_pipeline_model_parallel_size} chunks per rank (build each GPTModel with "
+                    "vp_stage=chunk)"
+                )
+            vp_stage = 0
+        return pipe_of(self.placements, vp_stage)
 
     def block_of(self, vp_stage: int | None = None, pp_rank: int | None = None) -> int:
-        """The layer block built on (pp_rank, vp_stage); pp_rank defaults to this process's."""
+        """The layer block built on (pp_rank, vp_stage), in its pipe; pp_rank defaults to this process's."""
         if pp_rank is None:
             from megatron.core import parallel_state
 
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        if vp_stage is None:
-            if self.placement.chunks > 1:
-                raise ValueError(
-                    f"vp_stage must be given: the {self.placement.kind} placement has "
-                    f"{self.placement.chunks} chunks per rank (build each GPTModel with vp_stage=chunk)"
-                )
-            vp_stage = 0
-        return self.placement.stage_of(pp_rank, self.placement.chunk_base + vp_stage)
+        pipe = self.pipe_of(vp_stage)
+        return pipe.stage_of(pp_rank, self.placement.chunk_base + (vp_stage or 0))
 
     def get_num_layers_to_build(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None) -> int:
         return self.blocks[self.block_of(vp_stage, pp_rank)].count(layer_type)
@@ -99,3 +112,30 @@ def layer_layout(
 ) -> PlacementLayerLayout:
     """The layout to set as ``TransformerConfig.pipeline_model_parallel_layout`` for ``placement``."""
     return PlacementLayerLayout(placement, layers_per_block(num_layers, placement, pad), mtp_layers or 0)
+
+
+def pipe_of(placements: tuple[Placement, ...], vp_stage: int) -> Placement:
+    """The pipe holding vp stage ``vp_stage`` (chunk id ``first chunk_base + vp_stage``) of a model list."""
+    chunk = placements[0].chunk_base + vp_stage
+    for pipe in placements:
+        if pipe.chunk_base <= chunk < pipe.chunk_base + pipe.chunks:
+            return pipe
+    total = sum(pipe.chunks for pipe in placements)
+    raise ValueError(f"vp stage {vp_stage} is outside the {total} chunks per rank of {placements[0].kind}")
+
+
+def _pipes(placement: Placement, pipes: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Every pipe of the layout, ``placement`` first; they must hold the same blocks on consecutive chunk ids."""
+    pipes = tuple(pipes) or (placement,)
+    if pipes[0] != placement:
+        raise ValueError(f"the first pipe must be the layout's placement ({placement.kind}), got {pipes[0].kind}")
+    base = placement.chunk_base
+    for pipe in pipes:
+        if (pipe.pp, pipe.num_stages, pipe.chunk_base) != (placement.pp, placement.num_stages, base):
+            raise ValueError(
+                f"pipes of one layout need the same ranks and blocks, on consecutive chunk ids: the {pipe.kind} "
+                f"placement has pp={pipe.pp}, {pipe.num_stages} blocks and chunks from {pipe.chunk_base}, "
+                f"expected pp={placement.pp}, {placement.num_stages} blocks and chunks from {base}"
+            )
+        base += pipe.chunks
+    return pipes

@@ -36,10 +36,13 @@ def foreign_placement(placement: Placement | None) -> Placement | None:
     return None if placement is None or uses_megatron_mapping(placement) else placement
 
 
-def prepare_args(args: argparse.Namespace, placement: Placement, schedule: str) -> None:
+def prepare_args(
+    args: argparse.Namespace, placement: Placement, schedule: str, pipes: tuple[Placement, ...] = ()
+) -> None:
     """Megatron-LM's parsed arguments for ``placement``; ValueError for flags that cannot work with it.
 
-    Runs right after Megatron-LM's ``validate_args``, before any process group exists.
+    Runs right after Megatron-LM's ``validate_args``, before any process group exists. ``pipes`` (``placement``
+    first; BitPipe: two): Megatron-LM builds one model list holding every pipe's chunks.
     """
     if foreign_placement(placement) is None:
         return
@@ -59,7 +62,8 @@ def prepare_args(args: argparse.Namespace, placement: Placement, schedule: str) 
         # the placement's layout builds these counts; megatron-core's config would split by its own placement
         args.zero_bubble_block_layers = tuple(layers)
         args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
-    args.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
+    chunks = sum(pipe.chunks for pipe in pipes or (placement,))
+    args.virtual_pipeline_model_parallel_size = chunks if chunks > 1 else None
 
 
 def serial_checkpoint_copies(args: argparse.Namespace, placement: Placement) -> str | None:

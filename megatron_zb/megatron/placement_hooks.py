@@ -8,7 +8,11 @@ rank r holds blocks r and 2p-1-r, embedding and loss both on rank 0), these hook
 Megatron-LM's code the placement's answers:
 
 - ``megatron_mapping.prepare_args`` (after ``validate_args``): one model chunk per (rank, chunk) of the placement
-  (``virtual_pipeline_model_parallel_size``); megatron's own layout flags are refused.
+  (``virtual_pipeline_model_parallel_size``; BitPipe: of both pipes); megatron's own layout flags are refused.
+- ``core_transformer_config_from_args`` (two pipes, BitPipe): the config is built with the pipes' layer layout
+  (``PlacementLayerLayout``): megatron-core's own check would split --num-layers over 2 x 2 chunks per rank, and
+  the layer specs (MoE or dense per layer) see the placement's layers from the start. (One pipe, the V: the
+  layout is set when each GPTModel is built, below.)
 - ``GPTModel.__init__``: the chunk's config gets the placement's layer layout
   (``PlacementLayerLayout``, in place) and pre/post process follow its block.
 - ``initialize_model_parallel``: the embedding group holds the ranks with a word-embedding copy
@@ -26,17 +30,21 @@ Megatron-LM's code the placement's answers:
   as the embedding, and ``Float16Module`` casts on the embedding and the loss chunk.
 - ``finalize_model_grads`` (Megatron-LM's): the two local copies' gradients are summed.
 
-The runtime already ships the loss dicts to the last pipeline rank (which logs) and sums the
-token count over the pipeline. Each hook is recorded in ``patching`` and calls Megatron's own
-function unless Megatron-LM's arguments select such a placement or the chunk carries its layout.
+A schedule of two pipes (BitPipe) gets one model list: vp stage ``c`` is chunk id ``c`` of the pipe that
+owns it (``layout.pipe_of``), each block is built twice, the later pipe's copy is marked ``shared`` (counted once
+in the gradient norm), and the runtime sums the copies' gradients (REPLICA_SYNC). The runtime already ships the
+loss dicts to the last pipeline rank (which logs) and sums the token count over the pipeline. Each hook is
+recorded in ``patching`` and calls Megatron's own function unless Megatron-LM's arguments select such a
+placement or the chunk carries its layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .. import patching
 from ..schedule.placement import Placement
@@ -58,6 +66,9 @@ def install() -> None:
     patching.hook(multi_token_prediction.MTPLossLoggingHelper, "track_mtp_metrics", _mtp_metrics)
     if "megatron.training" not in sys.modules:
         return
+    arguments = sys.modules.get("megatron.training.arguments")
+    if arguments is not None:
+        patching.hook(arguments, "core_transformer_config_from_args", _config_from_args, everywhere=True)
     owners = [sys.modules.get("megatron.training.utils"), sys.modules.get("megatron.core.utils")]
     for owner in [owner for owner in owners if owner is not None]:
         patching.hook(owner, "is_first_or_last_pipeline_stage", _data_stage, everywhere=True)
@@ -70,14 +81,85 @@ def active_placement() -> Placement | None:
     return foreign_placement(settings.placement if settings is not None else None)
 
 
-def chunks_placement(chunks: list) -> Placement | None:
-    """The foreign placement the chunks were built for (their config's PlacementLayerLayout), else None."""
+def active_pipes() -> tuple[Placement, ...] | None:
+    """Every pipe's placement Megatron-LM's arguments select (BitPipe: two), when megatron cannot build them."""
+    settings = megatron_lm_settings()
+    if settings is None or foreign_placement(settings.placement) is None:
+        return None
+    return settings.placements
+
+
+def chunks_pipes(chunks: list) -> tuple[Placement, ...] | None:
+    """Every pipe's foreign placement the chunks were built for (their config's PlacementLayerLayout), else None."""
     from .layout import PlacementLayerLayout
 
     if not chunks:
         return None
     layout = getattr(_config_of(chunks[0]), "pipeline_model_parallel_layout", None)
-    return foreign_placement(layout.placement) if isinstance(layout, PlacementLayerLayout) else None
+    if not isinstance(layout, PlacementLayerLayout) or foreign_placement(layout.placement) is None:
+        return None
+    return layout.placements
+
+
+def pipe_slices(pipes: tuple[Placement, ...]) -> list[tuple[Placement, slice]]:
+    """Each pipe with the slice of a rank's model list that holds its chunks (the pipes' chunks follow each other)."""
+    found, offset = [], 0
+    for pipe in pipes:
+        found.append((pipe, slice(offset, offset + pipe.chunks)))
+        offset += pipe.chunks
+    return found
+
+
+def block_of(pipes: tuple[Placement, ...], rank: int, vp_stage: int) -> int:
+    """The layer block, in its pipe, that vp stage ``vp_stage`` of pipeline rank ``rank`` holds."""
+    from .layout import pipe_of
+
+    return pipe_of(pipes, vp_stage).stage_of(rank, pipes[0].chunk_base + vp_stage)
+
+
+@contextlib.contextmanager
+def placement_layout_in(args) -> Iterator[None]:
+    """Megatron-LM's ``args`` carry the pipes' layer layout while a TransformerConfig is built from them.
+
+    Only for a schedule of several pipes (BitPipe), whose model list of 2 x 2 chunks per rank does not split
+    --num-layers by megatron's own rule; ``args`` are restored after. Preflight builds its config under it too.
+    """
+    layout = _args_layout(args)
+    if layout is None:
+        yield
+        return
+    given = args.pipeline_model_parallel_layout
+    args.pipeline_model_parallel_layout = layout
+    try:
+        yield
+    finally:
+        args.pipeline_model_parallel_layout = given
+
+
+def _args_layout(args):
+    """The PlacementLayerLayout Megatron-LM's (validated) ``args`` select, or None."""
+    import copy
+
+    from .args import schedule_settings
+    from .layout import PlacementLayerLayout
+    from .megatron_mapping import block_layers
+
+    if not hasattr(args, "enable_zero_bubble") or getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        return None
+    settings = megatron_lm_settings() if args is megatron_lm_args() else schedule_settings(copy.copy(args))
+    if settings is None or len(settings.placements) < 2 or foreign_placement(settings.placement) is None:
+        return None
+    placement, mtp = settings.placement, getattr(args, "mtp_num_layers", None) or 0
+    return PlacementLayerLayout(placement, block_layers(args, args.num_layers, placement), mtp, settings.placements)
+
+
+def _config_from_args(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def core_transformer_config_from_args(args, *rest, **kwargs):
+        with placement_layout_in(args):
+            return original(args, *rest, **kwargs)
+
+    return core_transformer_config_from_args
 
 
 def _config_of(chunk):
@@ -95,9 +177,26 @@ def _gpt_model_init(original: Callable) -> Callable:
         ends = _chunk_ends(bound.arguments)
         if ends is not None:
             bound.arguments["pre_process"], bound.arguments["post_process"] = ends
-        return original(*bound.args, **bound.kwargs)
+        result = original(*bound.args, **bound.kwargs)
+        if ends is not None:
+            _mark_embedding_copy(bound.arguments["self"])
+        return result
 
     return __init__
+
+
+def _mark_embedding_copy(model) -> None:
+    """The word embedding of an embedding chunk whose tied copy sits on the same rank gets its own DDP bucket.
+
+    megatron marks it ``shared_embedding`` only on the first rank's first vp stage; BitPipe's mirrored pipe has its
+    embedding on the last rank. Without its own bucket the distributed optimizer shards it otherwise than its copy,
+    and the sum of the two local copies' gradients (``tied_finalize``) would add mismatched shards. Set at build,
+    before ``get_model`` wraps the chunk in DDP.
+    """
+    config = getattr(model, "config", None)
+    copies = getattr(model, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None)
+    if getattr(model, "pre_process", False) and not getattr(model, "post_process", False) and copies:
+        model.embedding.word_embeddings.weight.shared_embedding = True
 
 
 def _chunk_ends(arguments: dict) -> tuple[bool, bool] | None:
@@ -107,12 +206,12 @@ def _chunk_ends(arguments: dict) -> tuple[bool, bool] | None:
 
     config, vp_stage = arguments.get("config"), arguments.get("vp_stage")
     layout = getattr(config, "pipeline_model_parallel_layout", None)
-    placement = layout.placement if isinstance(layout, PlacementLayerLayout) else active_placement()
-    if placement is None or vp_stage is None:
+    pipes = layout.placements if isinstance(layout, PlacementLayerLayout) else active_pipes()
+    if pipes is None or foreign_placement(pipes[0]) is None or vp_stage is None:
         return None
-    use_placement_layout(config, placement)  # sets the layout in place, or checks the one set
-    block = placement.stage_of(pipeline_rank(arguments.get("pg_collection")), placement.chunk_base + vp_stage)
-    return block == 0, block == placement.num_stages - 1
+    use_placement_layout(config, pipes[0], pipes)  # sets the layout in place, or checks the one set
+    block = block_of(pipes, pipeline_rank(arguments.get("pg_collection")), vp_stage)
+    return block == 0, block == pipes[0].num_stages - 1
 
 
 def _initialize_model_parallel(original: Callable) -> Callable:
@@ -137,11 +236,10 @@ def _data_stage(original: Callable) -> Callable:
     def is_first_or_last_pipeline_stage(vp_stage, *args, **kwargs):
         from .gpt_model import pipeline_rank
 
-        placement = active_placement()
-        if placement is None or vp_stage is None:
+        pipes = active_pipes()
+        if pipes is None or vp_stage is None:
             return original(vp_stage, *args, **kwargs)
-        block = placement.stage_of(pipeline_rank(None), placement.chunk_base + vp_stage)
-        return block in (0, placement.num_stages - 1)
+        return block_of(pipes, pipeline_rank(None), vp_stage) in (0, pipes[0].num_stages - 1)
 
     return is_first_or_last_pipeline_stage
 
@@ -153,16 +251,16 @@ def _mtp_stage(original: Callable) -> Callable:
     def mtp_on_this_rank(*args, **kwargs):
         from .gpt_model import pipeline_rank
 
-        placement = active_placement()
+        pipes = active_pipes()
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
         vp_stage = arguments.get("vp_stage")
-        if placement is None or vp_stage is None or arguments.get("ignore_virtual", True):
+        if pipes is None or vp_stage is None or arguments.get("ignore_virtual", True):
             return original(*bound.args, **bound.kwargs)
         config = arguments.get("config")  # megatron-core 0.16; 0.19 passes mtp_num_layers itself
         layers = getattr(config, "mtp_num_layers", None) if config is not None else arguments.get("mtp_num_layers")
-        return bool(layers) and _last_block(placement, vp_stage, pipeline_rank(None))
+        return bool(layers) and _last_block(pipes, vp_stage, pipeline_rank(None))
 
     return mtp_on_this_rank
 
@@ -174,25 +272,25 @@ def _mtp_layers(original: Callable) -> Callable:
     def get_mtp_num_layers_to_build(*args, **kwargs):
         from .layout import PlacementLayerLayout
 
-        placement = active_placement()
+        pipes = active_pipes()
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         config, vp_stage = bound.arguments["config"], bound.arguments.get("vp_stage")
         own = isinstance(getattr(config, "pipeline_model_parallel_layout", None), PlacementLayerLayout)
-        if placement is None or vp_stage is None or own:
+        if pipes is None or vp_stage is None or own:
             return original(*bound.args, **bound.kwargs)
         rank = bound.arguments.get("pp_rank")
         if rank is None:
             from .gpt_model import pipeline_rank
 
             rank = pipeline_rank(None)
-        return (config.mtp_num_layers or 0) if _last_block(placement, vp_stage, rank) else 0
+        return (config.mtp_num_layers or 0) if _last_block(pipes, vp_stage, rank) else 0
 
     return get_mtp_num_layers_to_build
 
 
-def _last_block(placement: Placement, vp_stage: int, rank: int) -> bool:
-    return placement.stage_of(rank, placement.chunk_base + vp_stage) == placement.num_stages - 1
+def _last_block(pipes: tuple[Placement, ...], vp_stage: int, rank: int) -> bool:
+    return block_of(pipes, rank, vp_stage) == pipes[0].num_stages - 1
 
 
 _last_mtp_losses: list[float] = []
@@ -281,14 +379,56 @@ def prepare_chunks(chunks: list) -> None:
         from .dropout_keys import install
 
         install(chunks, args.seed)
-    placement = chunks_placement(chunks)
-    if placement is None:
+    pipes = chunks_pipes(chunks)
+    if pipes is None:
         return
-    from .gpt_model import fix_float16_output_cast, pipeline_rank, tie_local_copies
+    from .gpt_model import fix_float16_output_cast, mark_replicas, pipeline_rank, tie_local_copies
 
     rank = pipeline_rank(None)
-    tie_local_copies(chunks, placement, rank)  # megatron's init all-reduce has no second rank to copy from
-    fix_float16_output_cast(chunks, placement, rank)
+    for pipe, part in pipe_slices(pipes):
+        tie_local_copies(chunks[part], pipe, rank)  # megatron's init all-reduce has no second rank to copy from
+        fix_float16_output_cast(chunks[part], pipe, rank)
+    if len(pipes) > 1:
+        shared = megatron_lm_settings().shared
+        mark_replicas(chunks, pipes, rank, shared)
+        for index in replica_chunks(pipes, rank, shared):
+            _checkpoint_as_replica(chunks[index])
+
+
+def replica_chunks(pipes: tuple[Placement, ...], rank: int, shared) -> list[int]:
+    """This rank's chunks (model-list indices) that hold the later copy of a block kept twice (``shared``)."""
+    replicas = {later for _, later in shared}
+    return [
+        offset
+        for pipe_index, (pipe, part) in enumerate(pipe_slices(pipes))
+        for offset in range(part.start, part.stop)
+        if (pipe_index, pipe.stage_of(rank, pipe.chunk_base + offset - part.start)) in replicas
+    ]
+
+
+def _checkpoint_as_replica(chunk) -> None:
+    """The chunk's sharded state dict marks every entry a replica: the block's first copy, on its own rank, is the
+    one megatron-core saves under those keys (two main replicas of one key are refused), and loading fills both.
+
+    Recorded under the ``megatron-lm`` scope (Megatron-LM built the chunk; undone when its ``pretrain()`` returns).
+    """
+    from .gpt_model import unwrapped
+
+    model = unwrapped(chunk)  # Megatron-LM's checkpointing unwraps DDP and Float16Module; both delegate to it
+    original = model.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(*args, **kwargs):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        found = original(*args, **kwargs)
+        for entry in nested_values(found):
+            replica = getattr(entry, "replica_id", None)
+            if replica is not None:
+                entry.replica_id = replica + 1 if isinstance(replica, int) else (replica[0] + 1, *replica[1:])
+        return found
+
+    patching.replace(model, "sharded_state_dict", sharded_state_dict, patching.MEGATRON_LM)
 
 
 def tied_finalize(original: Callable) -> Callable:
@@ -299,9 +439,9 @@ def tied_finalize(original: Callable) -> Callable:
         from .gpt_model import pipeline_rank, sum_tied_embedding_grads
 
         result = original(model, num_tokens, *args, **kwargs)
-        placement = chunks_placement(list(model))
-        if placement is not None:
-            sum_tied_embedding_grads(list(model), placement, pipeline_rank(kwargs.get("pg_collection")))
+        pipes = chunks_pipes(list(model))
+        for pipe, part in pipe_slices(pipes or ()):
+            sum_tied_embedding_grads(list(model)[part], pipe, pipeline_rank(kwargs.get("pg_collection")))
         return result
 
     return finalize_model_grads

@@ -288,9 +288,12 @@ def _build_config(args: argparse.Namespace) -> None:
     """
     from megatron.training.arguments import core_transformer_config_from_args
 
+    from ..megatron.placement_hooks import placement_layout_in
+
+    built = copy.copy(args)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            core_transformer_config_from_args(copy.copy(args))
+        with contextlib.redirect_stdout(io.StringIO()), placement_layout_in(built):  # as every rank's hook sets it
+            core_transformer_config_from_args(built)
     except (AssertionError, ValueError, NotImplementedError) as error:
         raise ValueError(
             f"megatron-core's TransformerConfig refuses the line as Megatron-LM {megatron_lm_version()} builds it: "

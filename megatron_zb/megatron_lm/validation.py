@@ -83,11 +83,26 @@ def check_zero_bubble(args: argparse.Namespace) -> list[str]:
         return []
     if settings.costs_file:
         writable_file("--zero-bubble-save-costs", settings.costs_file)
-    if len(settings.placements) > 1:
-        raise ValueError(
-            f"{settings.schedule} runs {len(settings.placements)} pipelines in opposite directions; Megatron-LM's "
-            "get_model builds one: run it with `megatron-zb train` (megatron-zb's own training loop)"
-        )
-    prepare_args(args, settings.placement, settings.schedule)
+    if settings.shared:
+        _check_copies(args, settings.schedule)
+    prepare_args(args, settings.placement, settings.schedule, settings.placements)
     note = serial_checkpoint_copies(args, settings.placement)
     return [note] if note else []
+
+
+def _check_copies(args: argparse.Namespace, schedule: str) -> None:
+    """What a schedule keeping two copies of each block (BitPipe) needs of a Megatron-LM line.
+
+    The copies must start equal: Megatron-LM draws each rank's weights from its own seed, so only
+    ``--zero-bubble-placement-independent-init`` (every weight from the seed and its name) gives both copies, on two
+    ranks, the same weights. Router state kept per copy is refused as by the launcher (``moe_checks``).
+    """
+    from ..training.moe_checks import check_replicated_routers
+
+    if not getattr(args, "zero_bubble_placement_independent_init", False):
+        raise ValueError(
+            f"--pipeline-schedule {schedule} keeps two copies of each layer block, on two ranks, which must start "
+            "from the same weights: add --zero-bubble-placement-independent-init (each weight drawn from --seed and "
+            "its name, as the launcher does)"
+        )
+    check_replicated_routers(args, schedule)

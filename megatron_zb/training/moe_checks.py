@@ -104,12 +104,20 @@ def check_moe_schedule(args: argparse.Namespace) -> None:
     """
     if not args.num_experts or args.zero_bubble is None or not args.zero_bubble.shared:
         return
+    check_replicated_routers(args, args.zero_bubble.schedule)
+
+
+def check_replicated_routers(args: argparse.Namespace, schedule: str) -> None:
+    """``check_moe_schedule``'s refusal for a schedule named ``schedule`` that keeps two copies (Megatron-LM's
+    arguments too: ``num_experts`` and ``moe_router_load_balancing_type`` under the same names)."""
+    if not getattr(args, "num_experts", None):
+        return
     kinds = args.moe_router_load_balancing_type
     kinds = kinds if isinstance(kinds, list) else [kinds]
     if "global_aux_loss" in kinds:
         state = "--moe-router-load-balancing-type global_aux_loss"
         raise ValueError(
-            f"--pipeline-schedule {args.zero_bubble.schedule} with {state}: the schedule keeps two copies of each "
+            f"--pipeline-schedule {schedule} with {state}: the schedule keeps two copies of each "
             "layer, each routing half of the microbatches, and global_aux_loss's running token counts are per copy "
             "(the gradients and the expert bias's counts are summed between copies, these are not); use a schedule "
             "with one copy (zb-1p, zb-v, breadth-first-zb) or another balancing"

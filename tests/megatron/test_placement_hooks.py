@@ -41,7 +41,7 @@ def megatron_args(flags: str) -> argparse.Namespace:
     args.pipeline_model_parallel_size, args.num_layers, args.virtual_pipeline_model_parallel_size = 2, 4, None
     args.micro_batch_size, args.global_batch_size, args.data_parallel_size, args.seed = 1, 4, 1, 1234
     settings = schedule_settings(args)
-    prepare_args(args, settings.placement, settings.schedule)
+    prepare_args(args, settings.placement, settings.schedule, settings.placements)
     return args
 
 
@@ -55,6 +55,44 @@ def test_prepare_args_gives_v_two_chunks_and_leaves_megatrons_placements_alone()
     assert megatron_args("--zero-bubble-v-schedule").virtual_pipeline_model_parallel_size == 2
     assert megatron_args("--pipeline-schedule v-min").virtual_pipeline_model_parallel_size == 2
     assert megatron_args("--enable-zero-bubble").virtual_pipeline_model_parallel_size is None
+
+
+def test_bitpipe_gets_both_pipes_chunks_in_one_model_list() -> None:
+    """vp stage c is chunk id c: 0 and 1 the V's blocks, 2 and 3 its mirror's, the same layers on the other rank."""
+    from megatron.core.transformer.enums import LayerType
+
+    from megatron_zb.megatron.layout import PlacementLayerLayout
+    from megatron_zb.megatron.placement_hooks import replica_chunks
+    from megatron_zb.schedule.placement import mirrored
+
+    args = megatron_args("--pipeline-schedule bitpipe-zb --zero-bubble-placement-independent-init")
+    assert args.virtual_pipeline_model_parallel_size == 4
+    pipes = (v_shape(2), mirrored(v_shape(2)))
+    layout = PlacementLayerLayout(pipes[0], [1, 1, 1, 1], pipes=pipes)
+    blocks = [[layout.block_of(vp, rank) for vp in range(4)] for rank in range(2)]
+    assert blocks == [[0, 3, 1, 2], [1, 2, 0, 3]]
+    offsets = [[layout.get_layer_offset(vp_stage=vp, pp_rank=rank) for vp in range(4)] for rank in range(2)]
+    assert offsets == blocks  # one layer per block: the offset is the block
+    assert layout.layout[1][2] == [LayerType.embedding, LayerType.decoder]  # the mirror's first block, on rank 1
+    assert layout.layout[1][3] == [LayerType.decoder, LayerType.loss]
+    assert layout.virtual_pipeline_model_parallel_size == 4
+    shared = tuple(((0, block), (1, block)) for block in range(4))
+    assert replica_chunks(pipes, 0, shared) == replica_chunks(pipes, 1, shared) == [2, 3]
+    with pytest.raises(ValueError, match="the first pipe must be the layout's placement"):
+        PlacementLayerLayout(pipes[0], [1, 1, 1, 1], pipes=pipes[::-1])
+    with pytest.raises(ValueError, match="on consecutive chunk ids"):
+        PlacementLayerLayout(pipes[0], [1, 1, 1, 1], pipes=(pipes[0], pipes[0]))
+
+
+def test_bitpipe_without_the_same_init_is_refused() -> None:
+    """Megatron-LM draws each rank's weights from its own seed: the two copies of a block would differ."""
+    from megatron_zb.megatron_lm.validation import check_zero_bubble
+
+    args = megatron_args("--pipeline-schedule bitpipe-zb")
+    with pytest.raises(ValueError, match="add --zero-bubble-placement-independent-init"):
+        check_zero_bubble(args)
+    args.zero_bubble_placement_independent_init = True
+    assert check_zero_bubble(args) == [] and args.virtual_pipeline_model_parallel_size == 4
 
 
 def test_prepare_args_refuses_megatrons_layout_flags_and_uneven_v_blocks() -> None:

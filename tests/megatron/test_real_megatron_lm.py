@@ -62,8 +62,10 @@ CASES = {
     # tensor parallelism: rank 0's loss chunk needs labels on both tensor-parallel ranks
     "1f1b-tp2": f"--tensor-model-parallel-size 2 {SAME_INIT}",
     "zb-v-tp2": f"--tensor-model-parallel-size 2 --zero-bubble-v-schedule {SAME_INIT}",
+    # BitPipe: two mirrored V pipes in one model list, each block on two ranks (the copies' gradients summed)
+    "bitpipe-zb": f"--pipeline-schedule bitpipe-zb {SAME_INIT}",
 }
-SAVED = ("zb-1p", "zb-v")  # saved at iteration 5 (and 10)
+SAVED = ("zb-1p", "zb-v", "bitpipe-zb")  # saved at iteration 5 (and 10)
 # A Mixtral-style MoE line: 4 experts, top-2, the alltoall dispatcher, aux-loss balancing, a shared expert (no biases,
 # as megatron-core requires of it); pp 2 x dp 2 with expert parallelism 2 carved from data parallelism (4 gloo
 # processes); --moe-grouped-gemm is left out on CPU
@@ -151,7 +153,9 @@ def test_v_with_tensor_parallelism_equals_megatron_cores_1f1b(tmp: Path) -> None
     assert_close(trained("zb-v-tp2", tmp), reference)
 
 
-@pytest.mark.parametrize("case, reference_case", [("zb-1p", "1f1b"), ("zb-v", "1f1b-same-init")])
+@pytest.mark.parametrize(
+    "case, reference_case", [("zb-1p", "1f1b"), ("zb-v", "1f1b-same-init"), ("bitpipe-zb", "1f1b-same-init")]
+)
 def test_resume_from_iteration_5_reproduces_6_to_10(tmp: Path, case: str, reference_case: str) -> None:
     reference = trained(reference_case, tmp)
     trained(case, tmp)  # saved at iteration 5 (and 10)
@@ -278,11 +282,23 @@ def test_megatron_layout_flag_with_a_v_schedule_is_refused_before_pretrain(tmp: 
     assert not (tmp / "v-layout.jsonl").exists()
 
 
-def test_two_pipe_schedule_is_refused_before_pretrain(tmp: Path) -> None:
-    """BitPipe keeps two copies of every layer block, one per pipe; Megatron-LM's get_model builds one pipe."""
+def test_bitpipe_equals_megatron_cores_1f1b_from_the_same_weights(tmp: Path) -> None:
+    """BitPipe through pretrain(): Megatron-LM's get_model builds both pipes' chunks (4 per rank, each block twice,
+    on two ranks), the runtime sums the copies' gradients, the grad norm counts each weight once. Loss and grad norm
+    of every iteration equal megatron-core's 1F1B's from the same weights; the save writes one copy (resume:
+    ``test_resume_from_iteration_5_reproduces_6_to_10``)."""
+    trained("1f1b-same-init", tmp)
+    trained("bitpipe-zb", tmp)
+    reference = metric_rows(tmp / "1f1b-same-init.jsonl")
+    assert reference[ITERATIONS]["loss"] < reference[1]["loss"]
+    assert_rows_equal(metric_rows(tmp / "bitpipe-zb.jsonl"), reference, ("loss", "grad_norm"), "bitpipe-zb")
+
+
+def test_bitpipe_without_the_same_init_is_refused_before_pretrain(tmp: Path) -> None:
+    """The two copies of a block sit on two ranks, which Megatron-LM initialises from different seeds."""
     done = launch("--pipeline-schedule bitpipe-zb", tmp / "bitpipe.jsonl", "--train-iters", "1")
     assert done.returncode == 2, done.stderr[-4000:]
-    assert "bitpipe-zb runs 2 pipelines in opposite directions" in done.stderr, done.stderr[-4000:]
+    assert "add --zero-bubble-placement-independent-init" in done.stderr, done.stderr[-4000:]
     assert not (tmp / "bitpipe.jsonl").exists()
 
 
