@@ -9,6 +9,7 @@ was written for (``register_seed``: PyTorch's DualPipeV order overlaps its stead
 candidate with its F first (or its backward first), and greedily adds to the best of them. The greedy
 times at most ``MAX_TIMINGS`` sets (pp 8, m 32: 0.05 to 0.4 s on a busy machine). The orders are not
 changed: only adjacent passes are paired (moving an F next to a backward to make a pair is not tried).
+``screened`` times only the whole sets: a quick bound for pickers that rank many schedules paired.
 
 Each candidate is timed by a small simulator of compute orders (``_Timer``): the execution model of
 ``execute.py`` for compute passes, with pairs as one step, on integer indices. Only stages with
@@ -44,14 +45,7 @@ def overlap_pairs(schedule: Schedule, costs: CostModel, key: str = "makespan") -
     The schedule comes back as it is where pairs do not shorten it, e.g. without all-to-all time, with
     ``costs.overlap`` 0 or less, or where every pair would delay the pass that did not wait (1F1B).
     """
-    if key not in KEYS:
-        raise ScheduleError(f"overlap_pairs key must be one of {', '.join(KEYS)}, got {key!r}")
-    if costs.pp != schedule.pp:
-        raise ScheduleError(f"cost model is for pp={costs.pp}, schedule {schedule.name} has pp={schedule.pp}")
-    if schedule.overlapped:
-        raise ScheduleError(f"{schedule.name} already has overlapped pairs; plan them on the schedule without any")
-    if any(not p.kind.is_compute for order in schedule.orders for p in order):
-        raise ScheduleError(f"{schedule.name} is lowered: plan overlapped pairs before lowering")
+    _check(schedule, costs, key)
     candidates = _candidates(schedule, costs)
     if not candidates:
         return schedule
@@ -71,6 +65,35 @@ def overlap_pairs(schedule: Schedule, costs: CostModel, key: str = "makespan") -
     by_number = {number: (forward, backward) for forward, backward, number in candidates}
     pairs = tuple(by_number[number] for number in sorted(chosen))
     return replace(schedule, overlapped=pairs) if pairs else schedule
+
+
+def screened(schedule: Schedule, costs: CostModel, key: str = "makespan") -> tuple[float, float]:
+    """A quick bound of what ``overlap_pairs`` reaches: the iteration with the best of its whole sets of pairs
+    (or none), each timed once, without the greedy; (makespan, stage span), stage span first with "stage_span".
+
+    ``overlap_pairs`` starts from that set and only keeps what is no longer, so its schedule is never slower.
+    A picker ranks its candidates by it and pairs only the best few (``generators/finalists.py``).
+    """
+    _check(schedule, costs, key)
+    timer = _Timer(schedule, costs, key == "stage_span")
+    best = timer.key(set())
+    candidates = _candidates(schedule, costs)
+    for start in _starting_points(schedule, candidates, timer) if candidates else ():
+        found = timer.key(start)
+        if found is not None and _better(found, best):
+            best = found
+    return best
+
+
+def _check(schedule: Schedule, costs: CostModel, key: str) -> None:
+    if key not in KEYS:
+        raise ScheduleError(f"overlap_pairs key must be one of {', '.join(KEYS)}, got {key!r}")
+    if costs.pp != schedule.pp:
+        raise ScheduleError(f"cost model is for pp={costs.pp}, schedule {schedule.name} has pp={schedule.pp}")
+    if schedule.overlapped:
+        raise ScheduleError(f"{schedule.name} already has overlapped pairs; plan them on the schedule without any")
+    if any(not p.kind.is_compute for order in schedule.orders for p in order):
+        raise ScheduleError(f"{schedule.name} is lowered: plan overlapped pairs before lowering")
 
 
 def _greedy(timer: _Timer, candidates: list[tuple[Pass, Pass, int]], chosen: set[int]) -> tuple[set[int], tuple]:

@@ -6,7 +6,8 @@ the spec fields it reads, and the same one is asked for again and again (``auto`
 family, a memory refusal builds them all to suggest one, the CLI's compare, re-plans): the last
 ``PLANS_KEPT`` validated plans are kept (not those refined by the solver, which has a time limit).
 ``ScheduleSpec.overlap_f_b`` asks for overlapped F&B pairs (``pairing.overlap_pairs``) on whatever the
-generator returned, where the costs have all-to-all time; generators never see it.
+generator returned, where the costs have all-to-all time; only pickers that rank their candidates paired
+(option "overlap_f_b": ``auto``, ``v-auto``) see it, and place the pairs themselves.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class Generator:
     composite: bool = False  # picks among the other schedules (``auto``); skipped when listing alternatives
     # optional ScheduleSpec fields it plans with (a flag for others has no effect): "breadth_first_microbatches",
     # "memory_limit" (it plans under the limit; every other schedule is only refused when it does not fit),
-    # "chunks" (it plans any number of chunks per rank; the others run a fixed number)
+    # "chunks" (it plans any number of chunks per rank; the others run a fixed number), "overlap_f_b" (it places
+    # the overlapped pairs itself, ranking its candidates paired; the others get theirs after, in ``build``)
     options: frozenset[str] = frozenset()
     weight_copies: int = 1  # copies of the model's weights per rank, against 1F1B's one (BitPipe: 2)
 
@@ -143,8 +145,9 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True, checked: bool = T
             check(schedule, spec.cost_model())
     else:
         schedule = (_planned if checked else _generated)(generator, _plans_with(generator, spec))
-    if spec.overlap_f_b and spec.cost_model().has_all_to_all:
-        schedule = _paired(schedule, spec.cost_model(), "stage_span" if spec.post_validation else "makespan")
+    key = pairs_key(spec)
+    if key is not None and "overlap_f_b" not in generator.options:
+        schedule = _paired(schedule, spec.cost_model(), key)
         if checked:
             check(schedule, spec.cost_model())
     if not checked:
@@ -156,6 +159,14 @@ def build(name: str, spec: ScheduleSpec, suggest: bool = True, checked: bool = T
             message += f"; schedules that fit: {', '.join(fits) or 'none'}"
         raise ScheduleError(message)
     return schedule
+
+
+def pairs_key(spec: ScheduleSpec) -> str | None:
+    """What overlapped pairs are placed by for ``spec`` (``overlap_pairs``' key); None where it asks for none,
+    or the costs have no all-to-all time to hide."""
+    if not (spec.overlap_f_b and spec.cost_model().has_all_to_all):
+        return None
+    return "stage_span" if spec.post_validation else "makespan"
 
 
 def over_limit(name: str, schedule: Schedule, spec: ScheduleSpec) -> str | None:
@@ -197,9 +208,11 @@ def _paired(schedule: Schedule, costs: CostModel, key: str) -> Schedule:
 
 def _plans_with(generator: Generator, spec: ScheduleSpec) -> ScheduleSpec:
     """``spec`` without the fields the generator does not plan with (the memory limit, for a schedule
-    that is only refused when over it; the pairs, placed after), so one plan serves every spec that
-    differs only there."""
-    unread: dict = {"overlap_f_b": False}
+    that is only refused when over it; the pairs, placed after, or asked for without all-to-all time), so
+    one plan serves every spec that differs only there."""
+    unread: dict = {}
+    if "overlap_f_b" not in generator.options or pairs_key(spec) is None:
+        unread["overlap_f_b"] = False
     if not generator.composite:
         unread.update(layers=None, post_validation=False)
     for option in ("memory_limit", "breadth_first_microbatches"):

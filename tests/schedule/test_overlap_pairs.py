@@ -15,13 +15,15 @@ from megatron_zb.render.svg import render_svg
 from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.costs_file import MeasuredCosts, load_costs, save_costs
 from megatron_zb.schedule.execute import DeadlockError, execute
+from megatron_zb.schedule.generators.auto import hidden_at_most
+from megatron_zb.schedule.generators.search import time_bound
 from megatron_zb.schedule.generators.torch_style import dualpipev_orders, dualpipev_pairs
 from megatron_zb.schedule.ir import BW, B, F, PassKind, Schedule, ScheduleError, W
 from megatron_zb.schedule.iterations import repeat, simulate_iterations
 from megatron_zb.schedule.lower import DataParallel, lower
-from megatron_zb.schedule.pairing import overlap_pairs
+from megatron_zb.schedule.pairing import overlap_pairs, screened
 from megatron_zb.schedule.placement import linear, v_shape
-from megatron_zb.schedule.registry import ScheduleSpec, build
+from megatron_zb.schedule.registry import ScheduleSpec, build, get, names
 from megatron_zb.schedule.schedule_file import read_json
 from megatron_zb.schedule.serialise import schedule_from_data, schedule_to_data
 from megatron_zb.schedule.simulate import simulate
@@ -260,3 +262,88 @@ def test_repeated_iterations_keep_the_pairs_and_time_them_as_pairs():
     assert simulate(twice, costs).makespan < simulate(replace(twice, overlapped=()), costs).makespan
     plain = simulate_iterations(replace(paired, overlapped=()), costs, 3).period
     assert simulate_iterations(paired, costs, 3).period < plain
+
+
+# pp 8, m 32, t_a2a 0.3: without pairs auto picks zb-2p with 4 chunks (97.75), with them interleaved-1f1b (85.8)
+PAIRED_8 = ScheduleSpec(8, 32, costs=CostModel(8, t_a2a=0.3), overlap_f_b=True)
+
+
+def test_auto_ranks_its_candidates_paired_so_no_paired_family_or_compare_row_beats_it():
+    costs = PAIRED_8.costs
+    auto = build("auto", PAIRED_8)
+    makespan = simulate(auto, costs).makespan
+    assert (auto.name, len(auto.overlapped)) == ("auto (interleaved-1f1b, 4 chunks)", 768)
+    assert makespan == pytest.approx(85.8)
+    for family in names():
+        if get(family).composite or get(family).weight_copies > 1:
+            continue
+        try:
+            paired = build(family, PAIRED_8)  # at its default chunks
+        except ScheduleError:
+            continue  # interleaved-1f1b's default at pp 8 is 2 chunks; one that cannot run this setting
+        assert simulate(paired, costs).makespan >= makespan - 1e-9, family
+    comparison = compare(PAIRED_8)
+    assert min(row.makespan for row in comparison.built if row.weight_copies == 1) == pytest.approx(makespan)
+    assert comparison.row(auto.name).best and comparison.row("interleaved-1f1b, 4 chunks").best
+
+
+def test_v_auto_ranks_its_seeds_paired_so_no_paired_v_family_or_dualpipev_beats_it():
+    costs = PAIRED_8.costs
+    v_auto = build("v-auto", PAIRED_8)
+    makespan = simulate(v_auto, costs).makespan
+    plain = build("v-auto", replace(PAIRED_8, overlap_f_b=False))
+    assert (simulate(plain, costs).makespan, makespan) == (99.5, pytest.approx(86.8))  # the DualPipeV order, paired
+    for family in ("zb-v", "v-half", "v-min"):
+        assert simulate(build(family, PAIRED_8), costs).makespan >= makespan - 1e-9, family
+    dualpipev = Schedule("dualpipev", (v_shape(8),), 32, tuple(map(tuple, dualpipev_orders(8, 32))))
+    assert simulate(overlap_pairs(dualpipev, costs), costs).makespan == pytest.approx(makespan)
+
+
+def test_without_pairs_to_place_auto_and_v_auto_plan_as_before():
+    plain = replace(PAIRED_8, overlap_f_b=False)
+    auto = build("auto", plain)
+    assert (auto.name, simulate(auto, plain.costs).makespan, auto.overlapped) == ("auto (zb-2p, 4 chunks)", 97.75, ())
+    for name in ("auto", "v-auto"):  # no all-to-all to hide: the very plan without the flag
+        no_a2a = ScheduleSpec(8, 32, overlap_f_b=True)
+        assert build(name, no_a2a) is build(name, replace(no_a2a, overlap_f_b=False))
+
+
+def test_with_post_validation_auto_ranks_paired_stage_spans_first():
+    spec = ScheduleSpec(4, 8, costs=CostModel(4, t_a2a=0.3), overlap_f_b=True, post_validation=True)
+    auto = build("auto", spec)
+    span = simulate(auto, spec.costs).stage_span
+    assert (auto.name, span) == ("auto (interleaved-1f1b, 4 chunks)", pytest.approx(23.4))
+    comparison = compare(spec)
+    assert min(row.stage_span for row in comparison.built if row.weight_copies == 1) == pytest.approx(span)
+
+
+@pytest.mark.parametrize(
+    ("name", "chunks", "plain", "screen", "paired"),
+    [
+        ("zb-2p", None, 27.0, 25.2, 24.6),  # the greedy gains beyond the best whole set
+        ("interleaved-1f1b", 4, 26.25, 23.4, 23.4),  # every F first: already the best
+        ("1f1b", None, 33.0, 33.0, 33.0),  # no pair gains
+    ],
+)
+def test_screening_bounds_what_the_pairs_reach(name, chunks, plain, screen, paired):
+    costs = CostModel(4, t_a2a=0.3)
+    schedule = build(name, ScheduleSpec(4, 8, chunks=chunks, costs=costs))
+    placed = overlap_pairs(schedule, costs)
+    assert simulate(schedule, costs).makespan == plain
+    assert screened(schedule, costs)[0] == pytest.approx(screen)
+    assert simulate(placed, costs).makespan == pytest.approx(paired)
+    spans = screened(schedule, costs, "stage_span")
+    assert simulate(overlap_pairs(schedule, costs, "stage_span"), costs).stage_span <= spans[0] + 1e-9
+    with pytest.raises(ScheduleError, match="already has overlapped pairs"):
+        screened(_hand_made(), CostModel(2, t_a2a=0.5))
+
+
+@pytest.mark.parametrize(("name", "chunks"), [("zb-2p", None), ("interleaved-1f1b", 4), ("zb-v", None)])
+def test_pairs_beat_a_placements_time_bound_by_no_more_than_auto_allows_for(name, chunks):
+    """``auto`` refuses a family unplanned only when even all of its all-to-all hidden cannot get it under the best."""
+    costs = CostModel(4, t_a2a=0.3, t_a2a_b=0.5)
+    spec = ScheduleSpec(4, 8, chunks=chunks, costs=costs, overlap_f_b=True)
+    assert hidden_at_most(spec) == pytest.approx(8 * 0.8 + 4 * 0.3)
+    paired = build(name, spec)
+    bound = time_bound(costs, paired.placements[0], 8)
+    assert bound - hidden_at_most(spec) - 1e-9 <= simulate(paired, costs).makespan < bound  # below the plain bound

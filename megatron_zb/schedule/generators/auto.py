@@ -16,6 +16,11 @@ that cannot run the setting (chunks, microbatch counts, the limit) are skipped; 
 the error lists what each needs. Families that keep more than one copy of the weights
 (BitPipe) are not among the candidates: their memory is not what the activation limit
 measures; name them to run them.
+
+With overlapped F&B pairs (``spec.overlap_f_b`` and all-to-all time in the costs) the candidates
+are ranked as they run paired (finalists.py): the best screened few get their pairs (a family's as
+its build places them) and the best of those is the pick. A family is then refused unplanned only
+when its placement cannot get under the best time so far even with every all-to-all hidden.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from ..ir import Schedule, ScheduleError
+from ..pairing import overlap_pairs
 from ..placement import Placement, interleaved, v_shape
-from ..registry import ScheduleSpec, build, get, limit_refusal, names, register
+from ..registry import ScheduleSpec, build, get, limit_refusal, names, pairs_key, register
 from ..timing import EPS
+from .finalists import Candidate, best_paired
 from .result import Result, peak, timed_schedule
 from .search import Ceiling, Recipe, ceiling, plan
 from .torch_style import dualpipev_orders, interleaved_zb_passes, zbv_codes
@@ -109,17 +116,20 @@ class _Search:
         self.spec, self.refusals = spec, []
         self.position: dict[str, int] = {}
         self.first: float | None = None  # the best fitting candidate's first key so far
+        self.pairs = pairs_key(spec)
+        self.slack = hidden_at_most(spec) if self.pairs else 0.0  # pairs can beat the bound by as much
+        self.fitting: dict[str, tuple[Result, Schedule, tuple[str, int | None] | None]] = {}  # label -> made by
 
     def candidates(self) -> Iterator[Result]:
-        spec, costs = self.spec, self.spec.cost_model()
+        spec, costs = replace(self.spec, overlap_f_b=False), self.spec.cost_model()  # pairs: for the finalists
         listed = sorted(_builds(spec), key=lambda build: (build[0], build[1] or 0))
         for order, schedule in enumerate(torch_orders(spec)):
             self.position[schedule.name] = len(listed) + order
             if splits_layers(schedule, spec):
-                yield self._seen(timed_schedule(schedule, costs))
+                yield self._seen(timed_schedule(schedule, costs), schedule)
         errors: dict[tuple[str, int | None], str] = {}
         for name, chunks in _builds(spec):
-            first = math.inf if self.first is None else self.first
+            first = math.inf if self.first is None else self.first + self.slack
             bound = Ceiling(first, self.spec.post_validation, self.spec.memory_limit)
             made = _family(spec, name, chunks, bound)
             if isinstance(made, str):
@@ -131,18 +141,53 @@ class _Search:
                 errors[name, chunks] = too_big
                 continue
             self.position[made.name] = listed.index((name, chunks))
-            yield self._seen(result)
+            yield self._seen(result, made, (name, chunks))
         for name in dict.fromkeys(name for name, _ in listed):
             mine = [errors.get(build) for build in listed if build[0] == name]
             if all(mine):
                 self.refusals.append(f"  {name}: {mine[0]}")
 
-    def _seen(self, result: Result | None) -> Result | None:
+    def _seen(
+        self, result: Result | None, schedule: Schedule, family: tuple[str, int | None] | None = None
+    ) -> Result | None:
         limit = self.spec.memory_limit
         if result is not None and (limit is None or result.peak <= limit + EPS):
             key = result.stage_span if self.spec.post_validation else result.makespan
             self.first = key if self.first is None else min(self.first, key)
+            if self.pairs:
+                self.fitting[result.label] = (result, schedule, family)
         return result
+
+    def paired_pick(self, picked: Schedule) -> Schedule:
+        """The best fitting candidate as it runs paired (finalists.py), named as ``auto`` names its pick.
+
+        A family's pairs are its build's (``v-auto`` places its own); ``picked`` (the pick without pairs) is
+        a candidate too when the solver refined it."""
+        costs = self.spec.cost_model()
+        candidates = [self._candidate(*made) for made in self.fitting.values()]
+        if self.spec.refine_seconds > 0:
+            label = picked.name.removeprefix("auto (").removesuffix(")")
+
+            def refined() -> Schedule:
+                return overlap_pairs(picked, costs, self.pairs)
+
+            candidates.append(Candidate(picked, refined, peak(picked, costs), (), label))  # first among equals
+        paired, chosen = best_paired(candidates, costs, self.pairs)
+        return replace(paired, name=f"auto ({chosen.label})")
+
+    def _candidate(self, result: Result, schedule: Schedule, family: tuple[str, int | None] | None) -> Candidate:
+        costs = self.spec.cost_model()
+        if family is None:  # PyTorch's orders
+
+            def paired() -> Schedule:
+                return overlap_pairs(schedule, costs, self.pairs)
+        else:
+            spec = replace(self.spec, chunks=family[1], refine_seconds=0.0)
+
+            def paired() -> Schedule:
+                return build(family[0], spec, suggest=False, checked=False)
+
+        return Candidate(schedule, paired, result.peak, self.rank(result)[3:], result.label)
 
     def rank(self, result: Result) -> tuple:
         span, makespan, peak = result.score()
@@ -155,16 +200,24 @@ class _Search:
         return (*first, peak, *tie)
 
 
+def hidden_at_most(spec: ScheduleSpec) -> float:
+    """How much overlapped pairs can shorten ``search.time_bound`` on any placement: a rank's all-to-all time
+    (at most the largest stage's per microbatch, m times) and the forward all-to-alls on the way to it."""
+    costs = spec.cost_model()
+    per_stage = (f + b for f, b in zip(costs.t_a2a, costs.t_a2a_b, strict=True))
+    return spec.microbatches * max(per_stage, default=0.0) + sum(costs.t_a2a)
+
+
 @register(
     "auto",
     "the best schedule of all families and chunk counts under --memory-limit (by makespan; stage span with "
     "--post-validation)",
     composite=True,
-    options=("memory_limit", "chunks"),
+    options=("memory_limit", "chunks", "overlap_f_b"),
 )
 def generate(spec: ScheduleSpec) -> Schedule:
     search = _Search(spec)
-    return plan(
+    picked = plan(
         Recipe(
             "auto",
             spec,
@@ -176,3 +229,4 @@ def generate(spec: ScheduleSpec) -> Schedule:
             refusal=lambda: "auto: no schedule can run this setting:\n" + "\n".join(search.refusals),
         )
     )
+    return search.paired_pick(picked) if search.pairs else picked

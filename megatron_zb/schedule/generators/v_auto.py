@@ -16,20 +16,28 @@ limit only adds candidates: v-auto(L) does not grow with L there (exactly when t
 are ranked on all microbatches), and it is never worse than zb-v, v-half or v-min when they fit.
 Large settings with the same costs on every stage skip the list scheduler unless nothing else
 fits, and take only the first block of the highest block groups that fit L.
+
+With overlapped F&B pairs (``spec.overlap_f_b`` and all-to-all time in the costs) the pick without
+pairs and the fixed candidates above (not every list-scheduler run) are ranked as they run paired,
+by makespan (stage span first with post-validation), as pairs are placed (finalists.py).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..costs import CostModel
 from ..ir import Schedule, ScheduleError
+from ..pairing import overlap_pairs
 from ..placement import Placement, v_shape
-from ..registry import ScheduleSpec, register
+from ..registry import ScheduleSpec, pairs_key, register
 from ..timing import EPS
 from .budget import BUDGET
+from .finalists import Candidate, best_paired
 from .greedy import Switches, greedy_orders, min_memory_limit
 from .result import Result, encoding_of, model_of
+from .result import peak as peak_of
 from .search import (
     Planner,
     Recipe,
@@ -139,7 +147,7 @@ def _greedy_planners(
 @register(
     "v-auto",
     "V-shape list schedule under --memory-limit (any limit from v-min's to zb-v's)",
-    options=("memory_limit",),
+    options=("memory_limit", "overlap_f_b"),
 )
 def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     """With the same costs on every stage and m >= 2pp the list scheduler only runs under the
@@ -155,5 +163,32 @@ def generate_v_auto(spec: ScheduleSpec) -> Schedule:
     skip = lean and m_eval < m
     planners = [] if skip else _greedy_planners(placement, costs, m_eval, limit, below)
     fallback = (lambda: _greedy_planners(placement, costs, m_eval, limit)) if skip else None
-    seeds = (lambda: family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit) + dualpipev(spec, limit),)
-    return plan(Recipe("v-auto", spec, (placement,), limit, planners, seeds, fallback=fallback))
+    made: list = []  # the fixed candidates, made once: the search's, then (with pairs) the finalists'
+
+    def seeds() -> list[Result | Schedule]:
+        if not made:
+            made.extend(family_seeds(spec, limit) + level_candidates(spec.pp, m, costs, limit) + dualpipev(spec, limit))
+        return made
+
+    picked = plan(Recipe("v-auto", spec, (placement,), limit, planners, (seeds,), fallback=fallback))
+    key = pairs_key(spec)
+    if key is None:
+        return picked
+    return _paired_pick(picked, seeds(), costs, limit, key)
+
+
+def _paired_pick(
+    picked: Schedule, seeds: list[Result | Schedule], costs: CostModel, limit: float | None, key: str
+) -> Schedule:
+    """The best of ``picked`` and the fitting ``seeds`` as they run paired (the pick first among equals)."""
+    candidates = [Candidate(picked, lambda: overlap_pairs(picked, costs, key), peak_of(picked, costs), (0,))]
+    for index, seed in enumerate(seeds, 1):
+        schedule = seed if isinstance(seed, Schedule) else _as_schedule(picked, seed)
+        fits = peak_of(schedule, costs) if isinstance(seed, Schedule) else seed.peak
+        if limit is None or fits <= limit + EPS:
+            candidates.append(Candidate(schedule, lambda s=schedule: overlap_pairs(s, costs, key), fits, (index,)))
+    return replace(best_paired(candidates, costs, key)[0], name="v-auto")
+
+
+def _as_schedule(picked: Schedule, result: Result) -> Schedule:
+    return Schedule("v-auto", picked.placements, picked.microbatches, tuple(map(tuple, result.orders)))
