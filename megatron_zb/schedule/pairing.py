@@ -7,7 +7,8 @@ simulated iteration gets no longer (by ``key``), so the result is never slower t
 pairs; pairs that only tie are not placed at all. It first tries whole sets: the pairs a generator's order
 was written for (``register_seed``: PyTorch's DualPipeV order overlaps its steady state) and every
 candidate with its F first (or its backward first), and greedily adds to the best of them. The greedy
-times at most ``MAX_TIMINGS`` sets (pp 8, m 32: 0.05 to 0.4 s on a busy machine). The orders are not
+times at most ``MAX_TIMINGS`` sets (pp 8, m 32: 0.05 to 0.4 s on a busy machine), fewer where the orders are
+long (``MAX_STEPS`` passes timed in all), so that planning time stays bounded at pp 32. The orders are not
 changed: only adjacent passes are paired (moving an F next to a backward to make a pair is not tried).
 ``screened`` times only the whole sets: a quick bound for pickers that rank many schedules paired.
 
@@ -28,6 +29,7 @@ from .ir import Pass, PassKind, Schedule, ScheduleError
 EPS = 1e-9
 MAX_GROUP = 32  # candidates the greedy tries at once, at most
 MAX_TIMINGS = 300  # candidate sets one greedy run times, at most
+MAX_STEPS = 3_000_000  # ... and at most this many passes timed in all (large settings: fewer sets, bounded time)
 KEYS = ("makespan", "stage_span")
 Pair = tuple[Pass, Pass]  # (forward, backward)
 _SEEDS: list[Callable[[Schedule], Sequence[Pair]]] = []
@@ -108,7 +110,8 @@ def _greedy(timer: _Timer, candidates: list[tuple[Pass, Pass, int]], chosen: set
     starts = timer.starts(chosen)
     queue = [number for _, _, number in sorted(candidates, key=lambda c: (starts[c[2]], c[2]))]
     size, timings, at = 1, 0, 0
-    while at < len(queue) and timings < MAX_TIMINGS:
+    most = max(8, min(MAX_TIMINGS, MAX_STEPS // len(timer.passes)))
+    while at < len(queue) and timings < most:
         group: list[int] = []
         while at < len(queue) and len(group) < size:
             number = queue[at]
@@ -117,7 +120,7 @@ def _greedy(timer: _Timer, candidates: list[tuple[Pass, Pass, int]], chosen: set
                 group.append(number)
         tries = [group] if len(group) == 1 else [group, *([number] for number in group)]
         for trial in tries:
-            if timings >= MAX_TIMINGS or chosen.intersection(n + d for n in trial for d in (-1, 0, 1)):
+            if timings >= most or chosen.intersection(n + d for n in trial for d in (-1, 0, 1)):
                 continue
             timings += 1
             found = timer.key(chosen.union(trial))
@@ -159,10 +162,16 @@ def _candidates(schedule: Schedule, costs: CostModel) -> list[tuple[Pass, Pass, 
     """
     found = []
     base = 0
+    gains: dict[tuple, bool] = {}  # a pair's time depends on its passes' kinds and blocks, not their microbatches
     for order in schedule.orders:
         for index, (first, second) in enumerate(zip(order, order[1:], strict=False)):
             pair = _as_pair(first, second)
-            if pair is not None and _gains(schedule, costs, *pair):
+            if pair is None or pair[0].microbatch == pair[1].microbatch:
+                continue  # a backward needs every forward of its microbatch
+            block = tuple((p.kind, p.stage, p.pipe) for p in pair)
+            if block not in gains:
+                gains[block] = _gains(schedule, costs, *pair)
+            if gains[block]:
                 found.append((*pair, base + index))
         base += len(order) + 1  # the timer leaves a gap after each rank
     return found
@@ -178,8 +187,6 @@ def _as_pair(first: Pass, second: Pass) -> Pair | None:
 
 
 def _gains(schedule: Schedule, costs: CostModel, forward: Pass, backward: Pass) -> bool:
-    if forward.microbatch == backward.microbatch:  # a backward needs every forward of its microbatch
-        return False
     placements = schedule.placements
     apart = costs.duration(forward, placements[forward.pipe]) + costs.duration(backward, placements[backward.pipe])
     return costs.pair_time(forward, backward, placements) < apart - EPS
@@ -214,11 +221,15 @@ class _Timer:
                 ]
             )
         self.pair_time: dict[int, float] = {}
+        self.block_time: dict[tuple, float] = {}
 
     def _pair_time(self, first: int) -> float:
         if first not in self.pair_time:
             pair = _as_pair(self.passes[first], self.passes[first + 1])
-            self.pair_time[first] = self.costs.pair_time(*pair, self.schedule.placements)
+            block = tuple((p.kind, p.stage, p.pipe) for p in pair)  # its time does not depend on the microbatches
+            if block not in self.block_time:
+                self.block_time[block] = self.costs.pair_time(*pair, self.schedule.placements)
+            self.pair_time[first] = self.block_time[block]
         return self.pair_time[first]
 
     def run(self, chosen: set[int]) -> tuple[list[float], list[float]] | None:

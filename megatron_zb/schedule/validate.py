@@ -249,6 +249,8 @@ def _pair_issues(schedule: Schedule) -> list[Issue]:
     producer = {role: p for order in schedule.orders for p in order for role in roles(p)}
     issues = []
     for forward, backward in schedule.overlapped:
+        if forward.microbatch != backward.microbatch:
+            continue  # a pass's inputs are of its own microbatch: another microbatch's passes never feed it
         for later, earlier in ((backward, forward), (forward, backward)):
             path = _needs(later, set(roles(earlier)), producer, schedule)
             if path:
