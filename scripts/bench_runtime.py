@@ -120,10 +120,15 @@ def measure(
                 profiler.stop()
     # The same costs measured in the timed rounds: what the executed plans should have taken there.
     in_run = profilers[PROFILED].cost_model(plans[PROFILED], group, shape)
+    # Each run's own passes as timed in the rounds (1F1B's fused backward, not B + W of the split passes);
+    # megatron-core's 1F1B is not profiled: it runs our 1f1b's order and megatron-core's fused linears.
+    own = {name: profilers[name].cost_model(plans[name], group, shape) for name in schedules if profilers[name]}
+    own["megatron-1f1b"] = own["1f1b"]
     return {
         "times": times,
         "costs": costs,
         "in_run": in_run,
+        "own": own,
         "plans": {name: plans[name] for name in schedules},
         "idle": idle_breakdowns(profilers, plans, in_run, rank, times),
         "peers": {"before": predicted(pp, m, costs), "in_run": predicted(pp, m, in_run)} if peers else None,
@@ -218,6 +223,7 @@ def table(
     times = {name: statistics.median(values) for name, values in result["times"].items()}
     before = predictions(result["plans"], result["costs"])
     during = predictions(result["plans"], result["in_run"])
+    own = {name: predictions({name: plan}, result["own"][name])[name] for name, plan in result["plans"].items()}
     lines = [
         f"pp={pp}, m={m}, one compute thread per rank, gloo on CPU; model {model}; {rounds} iterations "
         "each, schedules interleaved round-robin; iteration: the median; ratio: the median of each round's "
@@ -229,22 +235,24 @@ def table(
         "included in the first and last stage's time, planned on the blocks that hold them.",
         "",
         "Predicted ratios simulate the executed plans (planned with the costs profiled before) with the costs "
-        "profiled before, and with those measured in the timed rounds themselves; gain kept is the measured "
+        f"profiled before, with those of {PROFILED}'s passes measured in the timed rounds themselves, and with "
+        "each run's own passes timed in the rounds (so that 1F1B's fused backward counts as it ran, not as "
+        f"{PROFILED}'s B + W; megatron-core's 1F1B with our 1f1b's, the same order); gain kept is the measured "
         "gain over megatron-core's 1F1B as a share of the predicted one.",
         "",
-        "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio (costs before / in the rounds) "
-        "| predicted bubble (in the rounds) | gain kept (costs before / in the rounds) |",
+        "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio (costs before / in the rounds / "
+        "own passes) | predicted bubble (in the rounds) | gain kept (costs before / in the rounds / own passes) |",
         "|---|---|---|---|---|---|",
     ]
     kept_by_name = {}
     for name in schedules:
         measured = ratio(result["times"], name, "megatron-1f1b")
-        planned = [found[name][0] / found["megatron-1f1b"][0] for found in (before, during)]
+        planned = [found[name][0] / found["megatron-1f1b"][0] for found in (before, during, own)]
         kept_by_name[name] = [(1 - measured) / (1 - p) if p < 0.999 else None for p in planned]
         kept = " / ".join("-" if k is None else f"{k:.0%}" for k in kept_by_name[name])
         lines.append(
-            f"| {name} | {times[name] * 1e3:.1f} | {measured:.3f} | {planned[0]:.3f} / {planned[1]:.3f} "
-            f"| {during[name][1]:.1%} | {kept} |"
+            f"| {name} | {times[name] * 1e3:.1f} | {measured:.3f} | "
+            f"{' / '.join(f'{p:.3f}' for p in planned)} | {during[name][1]:.1%} | {kept} |"
         )
     if peers:
         lines += ["", *peer_table(result, peers)]
@@ -256,9 +264,10 @@ def table(
             kept = kept_by_name["zb-v"]
             lines += [
                 "",
-                f"zb-v: {ours:.3f} of megatron-core's 1F1B, keeping {_share(kept[0])} / {_share(kept[1])} of its "
-                f"predicted gain (costs before / in the rounds); PyTorch's ScheduleZBVZeroBubble: {theirs:.3f} of "
-                f"PyTorch's Schedule1F1B; zb-v's ratio is {'below' if ours < theirs else 'not below'} it.",
+                f"zb-v: {ours:.3f} of megatron-core's 1F1B, keeping {' / '.join(map(_share, kept))} of its "
+                f"predicted gain (costs before / in the rounds / own passes); PyTorch's ScheduleZBVZeroBubble: "
+                f"{theirs:.3f} of PyTorch's Schedule1F1B; zb-v's ratio is "
+                f"{'below' if ours < theirs else 'not below'} it.",
             ]
     lines += ["", *breakdown_table(results, schedules)]
     return "\n".join(lines) + "\n"
