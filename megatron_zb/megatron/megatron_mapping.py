@@ -93,6 +93,35 @@ def serial_checkpoint_copies(args: argparse.Namespace, placement: Placement) -> 
     )
 
 
+MOE_OVERLAP_NOTE = (
+    "--overlap-moe-expert-parallel-comm means --zero-bubble-overlap-f-b under a megatron-zb schedule: megatron-core's "
+    "CUDA-stream overlap belongs to its own combined 1F1B, which the schedule replaces; the re-plan places overlapped "
+    "F&B pairs that hide the same all-to-all (megatron-core's flag turned off)"
+)
+
+
+def moe_overlap_as_pairs(args: argparse.Namespace, scheduled: bool) -> str | None:
+    """Before Megatron-LM's ``validate_args``: its ``--overlap-moe-expert-parallel-comm`` under a megatron-zb
+    schedule (``scheduled``: ``args.enabled``) as our overlapped F&B pairs; the note to print, or None where the line
+    does not ask for it.
+
+    Without a megatron-zb schedule the flag is megatron-core's own (a CUDA-stream overlap) and is left alone.
+    megatron-core's conditions stay: EP of 2 or more and no full recomputation (``args._overlap_f_b`` refuses
+    those), and a dispatcher with an all-to-all (refused here).
+    """
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False) or not scheduled:
+        return None
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if dispatcher not in ("alltoall", "flex"):
+        raise ValueError(
+            "--overlap-moe-expert-parallel-comm hides the all-to-all of megatron-core's alltoall and flex "
+            f"dispatchers; --moe-token-dispatcher-type {dispatcher} has none: give alltoall, or drop the flag"
+        )
+    args.overlap_moe_expert_parallel_comm = False
+    args.zero_bubble_overlap_f_b = True
+    return MOE_OVERLAP_NOTE
+
+
 # Megatron-LM's fields of the first and the last pipeline stage's layer counts: on a placement megatron does not
 # build itself they are the first and the last layer block's (``prepare_args``)
 ENDS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")

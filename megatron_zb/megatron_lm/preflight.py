@@ -159,7 +159,12 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
     if problem:
         raise ValueError(problem)
     args = parse_line(parser, argv)
-    refusals = [_gpu_only(dest, flags) for dest in GPU_ONLY if GPU_ONLY[dest][0](getattr(args, dest, None))]
+    mapped = mapped_flags(args)
+    refusals = [
+        _gpu_only(dest, flags)
+        for dest in GPU_ONLY
+        if dest not in mapped and GPU_ONLY[dest][0](getattr(args, dest, None))
+    ]
     refusals = [refusal for refusal in refusals if refusal]
     if own_providers:
         from .script import refused_features
@@ -177,6 +182,13 @@ def check(argv: Sequence[str], processes: int, own_providers: bool) -> Checked:
     argv = without(argv, parser, [flag.dest for flag in flags if flag.dest in CPU_DROPPED])
     validated = validate(parser, [*argv, *setting_argv(additions)], processes)
     return Checked(additions, 60.0 * validated.distributed_timeout_minutes, tuple(dropped), tuple(argv))
+
+
+def mapped_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """GPU-only destinations a megatron-zb schedule gives a CPU meaning (``megatron_mapping.moe_overlap_as_pairs``)."""
+    from ..megatron.args import enabled
+
+    return ("overlap_moe_expert_parallel_comm",) if enabled(args) else ()
 
 
 def unset_te_attention() -> str | None:
@@ -257,12 +269,15 @@ def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: in
     """Megatron-LM's ``validate_args``, then megatron-zb's schedule checks, as the ranks will run them."""
     from megatron.training.arguments import validate_args
 
+    from ..megatron.args import enabled
+    from ..megatron.megatron_mapping import moe_overlap_as_pairs
     from . import cpu
     from .validation import check_zero_bubble, pad_layers
 
     args = parse_line(parser, argv)
     args.rank, args.world_size = 0, processes
     pad_layers(args)
+    moe_overlap_as_pairs(args, enabled(args))  # as every rank's validate_args wrapper maps it
     cpu.no_gpu_architecture()
     cpu.set_environment()
     with contextlib.redirect_stdout(io.StringIO()):

@@ -10,8 +10,14 @@ import importlib
 import sys
 
 from .. import patching
-from ..megatron.args import schedule_settings, zero_bubble_notes
-from ..megatron.megatron_mapping import PADDED_NOTE, pad_by_megatron_split, prepare_args, serial_checkpoint_copies
+from ..megatron.args import enabled, schedule_settings, zero_bubble_notes
+from ..megatron.megatron_mapping import (
+    PADDED_NOTE,
+    moe_overlap_as_pairs,
+    pad_by_megatron_split,
+    prepare_args,
+    serial_checkpoint_copies,
+)
 from ..training.checks import writable_file
 
 
@@ -42,10 +48,13 @@ def _checked(validate_args):
     def validate(args, *rest, **kwargs):
         try:
             padded = pad_layers(args)
+            overlap = moe_overlap_as_pairs(args, enabled(args))
         except ValueError as error:
             raise SystemExit(f"megatron-zb: {error}") from None
-        if padded and getattr(args, "rank", 0) == 0:
-            print(f"megatron-zb: note: {PADDED_NOTE}", file=sys.stderr, flush=True)
+        notes = ([PADDED_NOTE] if padded else []) + ([overlap] if overlap else [])
+        if getattr(args, "rank", 0) == 0:
+            for note in notes:
+                print(f"megatron-zb: note: {note}", file=sys.stderr, flush=True)
         found = validate_args(args, *rest, **kwargs)
         checked = found if found is not None else args
         try:

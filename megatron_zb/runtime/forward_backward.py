@@ -57,8 +57,8 @@ class ForwardBackward:
     """Runs ``schedule`` (a registered name, or ``file:PATH``) with megatron-core's forward_backward contract.
 
     ``memory_limit``, ``costs``, ``chunks``, ``post_validation``, ``breadth_first_microbatches``, ``layers`` and
-    ``overlap_f_b`` (pair F and B passes where the costs' all-to-all time makes it pay) are passed to the generator; ``timeout_s``
-    bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
+    ``overlap_f_b`` (pair F and B passes where the costs' all-to-all time makes it pay) are passed to the generator;
+    ``timeout_s`` bounds every P2P wait; ``profiler`` (a ``PassProfiler``) times the passes when active.
     ``losses_to_last_rank`` ships the loss dicts to the last pipeline rank when another rank
     computes the loss (V placements), because Megatron-LM reads and logs them only there.
     ``replan`` (a ``ReplanWindow``) times that window's training calls and then re-plans once

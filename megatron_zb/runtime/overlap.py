@@ -7,6 +7,8 @@ compute, and each side's math is that of its plain pass. The backward side's col
 groups of their own (``Twins``: the same ranks, made on every rank beforehand), because the collectives
 of one group must come in one order on all its ranks, and the two sides interleave differently on each
 rank. A collective of the backward side on a group without a twin raises, naming it, instead of hanging.
+An asynchronous one (``async_op=True``: sequence parallelism's all-gather behind a linear's backward) is
+issued at once and its handle's ``wait`` lets the other side compute, as a blocking call does.
 
 Both sides must have their inputs (received activations, gradients) before the pair starts, and their
 outputs are sent after it ends: a pair is one step of the rank's program (``Schedule.overlapped``;
@@ -28,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from .. import patching
 from . import expert_comm, wgrad
 from .collective_wrapper import CollectiveWrapper
 
@@ -94,16 +97,35 @@ class PairCollectives(CollectiveWrapper):
         if side is None:
             return original(*args, **kwargs)
         arguments = bound()
-        if arguments.get("async_op"):
-            raise RuntimeError(f"{op} with async_op=True inside an overlapped forward and backward")
         if side.twins is not None:
             kwargs = {**arguments, "group": side.twins.of(arguments.get("group"), op)}
             args = ()
+        if arguments.get("async_op"):  # e.g. sequence parallelism's all-gather behind a linear's backward
+            return _Waiting(original(*args, **kwargs), side)  # issued now; the side computes on until its wait
         side.give()  # the other side computes while this one waits
         try:
             return original(*args, **kwargs)
         finally:
             side.take()
+
+
+class _Waiting:
+    """An asynchronous collective's handle, issued by a side of a pair: its ``wait`` lets the other side compute."""
+
+    def __init__(self, work: Any, side: _Side):
+        self._work, self._side = work, side
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_side, "value", None) is not self._side:  # waited after the pair ended: nothing to hand over
+            return self._work.wait(*args, **kwargs)
+        self._side.give()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._side.take()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 @contextmanager
@@ -152,19 +174,61 @@ def run_pair(
     return results[0], results[1]
 
 
+class _SideBuffers:
+    """megatron-core's global memory buffer as a pair's backward side sees it: a buffer of its own.
+
+    Sequence parallelism all-gathers into the buffer's one "mpu" tensor; the backward's all-gather is
+    asynchronous, so the forward side's gather into the same tensor would overwrite it while pending.
+    """
+
+    def __init__(self, shared: Any):
+        self.shared, self.own = shared, type(shared)()
+
+    def get_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        side: _Side | None = getattr(_side, "value", None)
+        buffer = self.own if side is not None and side.twins is not None else self.shared
+        return buffer.get_tensor(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.shared, name)
+
+
+@contextmanager
+def _side_buffers(buffers: dict) -> Iterator[None]:
+    """megatron-core's global memory buffer split by side while pairs run (``buffers`` keeps the backward's
+    between calls); nothing where megatron-core or its buffer is absent."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        parallel_state = None
+    shared = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if shared is None:
+        yield
+        return
+    if buffers.get("shared") is not shared:
+        buffers.update(shared=shared, split=_SideBuffers(shared))
+    patch = patching.replace(parallel_state, "_GLOBAL_MEMORY_BUFFER", buffers["split"])
+    try:
+        yield
+    finally:
+        patching.revert(patch)
+
+
 class Pairs:
-    """The overlapped pairs of one rank's pass walk: the twin groups (made once, ``Twins.create``) and the
-    collectives wrapped while ``running``."""
+    """The overlapped pairs of one rank's pass walk: the twin groups (made once, ``Twins.create``) and, while
+    ``running``, the collectives wrapped and megatron-core's global memory buffer split by side."""
 
     def __init__(self, twins: Twins):
         self.twins = twins
         self.wrapper = PairCollectives()
+        self._buffers: dict = {}
 
     @contextmanager
     def running(self) -> Iterator[Pairs]:
         self.wrapper.start()
         try:
-            yield self
+            with _side_buffers(self._buffers):
+                yield self
         finally:
             self.wrapper.stop()
 

@@ -56,10 +56,32 @@ def run(options: argparse.Namespace, user: list[str]) -> int:
         except megatron_lm_runs.RunFailed as error:
             print(f"{PROG}: {error}", file=sys.stderr)
             return 1
+        replan = replan_outcome(Path(folder) / "zero-bubble.log")
     tolerance = options.verify_tolerance if options.verify_tolerance is not None else TOLERANCE[line.precision]
     verdict = compare(reference, theirs, tolerance)
-    print(report(verdict, reference, theirs, line.schedule, tolerance))
+    print(report(verdict, reference, theirs, line.schedule, tolerance, replan=replan))
     return 0 if verdict.passed else 1
+
+
+REPLAN_LOGGER = "megatron_zb.replan:"  # the re-plan's one line, as rank 0 logs it
+
+
+def replan_outcome(log: Path) -> str | None:
+    """What the zero-bubble run's re-plan did, short (pairs placed, or the schedule kept and why); None where the
+    run re-planned nothing (its timed iterations lie beyond the scaled run's)."""
+    said = [line.split(REPLAN_LOGGER, 1)[1] for line in _lines(log) if REPLAN_LOGGER in line]
+    said = [line for line in said if line.startswith(("re-planned ", "kept "))]
+    if not said:
+        return None
+    if said[0].startswith("re-planned "):
+        head = said[0].split(" from the ", 1)[0]
+        return head if " overlapped F&B pairs" in head else f"{head}, no overlapped F&B pair shortening its iteration"
+    kept, _, why = said[0].partition(" after the ")
+    return f"the re-plan {kept}, without overlapped F&B pairs ({why.rsplit(': ', 1)[-1]})"
+
+
+def _lines(log: Path) -> list[str]:
+    return log.read_text(errors="replace").splitlines() if log.exists() else []
 
 
 def _train(runs, argv: list[str], processes: int, name: str, label: str, folder: Path, timeout_s: float):

@@ -172,12 +172,16 @@ def scale(
     for dest, why in NOT_USED.items():
         scaler.drop(dest, why)
     _zero_bubble(scaler, pp, limits)
+    _moe_overlap(scaler, limits)
     line, kept = scaler.result()
     argv = [token for given in line for token in given.tokens]
     # megatron-core's run saves no checkpoint: the zb run's save checks the path (a torch_dist save
     # starts a spawned helper process, about 10 s on CPU)
     reference = [
-        token for given in line if not _selects_schedule(given) and given.dest not in _SAVES for token in given.tokens
+        token
+        for given in line
+        if not _selects_schedule(given) and given.dest not in _SAVES | _OURS_IN_ZB_RUN
+        for token in given.tokens
     ]
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return ScaledLine(
@@ -193,9 +197,10 @@ def scale(
 
 def refuse(args: argparse.Namespace) -> None:
     """What verify cannot check at all (``Refused`` names it)."""
+    mapped = preflight.mapped_flags(args)
     for dest, why in REFUSED.items():
         value = getattr(args, dest, None)
-        if value:
+        if value and dest not in mapped:
             raise Refused(why.format(value=value))
     for dest, (value, why) in REFUSED_VALUES.items():
         if getattr(args, dest, None) == value:
@@ -523,6 +528,32 @@ def _zero_bubble(scaler: Scaler, pp: int, limits: Limits) -> None:
 
 
 _SAVES = frozenset({"save", "save_interval"})
+# Megatron-LM's flags that a megatron-zb schedule gives its own meaning (megatron_mapping): megatron-core's run
+# leaves them out
+_OURS_IN_ZB_RUN = frozenset({"overlap_moe_expert_parallel_comm"})
+TIMED = ("1", "2")  # iterations timed to re-plan where the line's pairs need it: the rest run the re-planned schedule
+
+
+def _moe_overlap(scaler: Scaler, limits: Limits) -> None:
+    """--overlap-moe-expert-parallel-comm under a megatron-zb schedule: our overlapped F&B pairs
+    (``megatron_mapping.moe_overlap_as_pairs``), placed by a re-plan inside the scaled run; megatron-core's run
+    leaves the flag out (its CUDA-stream overlap moves no number)."""
+    if not scaler.has("overlap_moe_expert_parallel_comm"):
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if limits.iterations <= int(TIMED[1]):
+        raise Refused(
+            f"{flag} with a megatron-zb schedule runs overlapped F&B pairs, placed when the schedule is re-planned "
+            f"after timed iterations {TIMED[0]}-{TIMED[1]}: give --verify-iters {int(TIMED[1]) + 1} or more"
+        )
+    why = f"{flag}: the re-plan that places the overlapped F&B pairs, inside the scaled run"
+    scaler.set("--zero-bubble-pipeline-timers-start-iter", [TIMED[0]], why)
+    scaler.set("--zero-bubble-pipeline-timers-end-iter", [TIMED[1]], why)
+    scaler.note(
+        "overlap_moe_expert_parallel_comm",
+        "with a megatron-zb schedule it means --zero-bubble-overlap-f-b (overlapped F&B pairs); megatron-core's "
+        "run leaves it out: its CUDA-stream overlap needs a GPU and changes no number",
+    )
 
 
 def _selects_schedule(given: Given) -> bool:

@@ -120,6 +120,14 @@ class Scaler:
             self.flags[index] = None
             self.changes.append(Change(old.flag, " ".join(old.values) or "given", "not used", why))
 
+    def note(self, dest: str, why: str) -> None:
+        """Keep the line's ``dest`` as given, listed with ``why`` (it means something else in the scaled runs)."""
+        for index in self.given(dest):
+            old = self.flags[index]
+            self.touched.add(index)
+            shown = " ".join(old.values) or "given"
+            self.changes.append(Change(old.flag, shown, shown, why))
+
     def result(self) -> tuple[list[Given], list[str]]:
         kept = [str(given) for index, given in enumerate(self.flags) if given is not None and index not in self.touched]
         return [given for given in self.flags if given is not None] + self.added, kept

@@ -124,8 +124,15 @@ def _difference(reference: float | None, theirs: float | None) -> float:
 
 
 def report(
-    verdict: Verdict, reference: Run, theirs: Run, schedule: str, tolerance: float, checksums_note: str | None = None
+    verdict: Verdict,
+    reference: Run,
+    theirs: Run,
+    schedule: str,
+    tolerance: float,
+    checksums_note: str | None = None,
+    replan: str | None = None,
 ) -> str:
+    """The verdict's lines; ``replan``: what the zero-bubble run's re-plan did, added to its last line."""
     lines = [_trained(reference)]
     lines.append(f"{'iteration':>9}  {'loss rel. diff':>14}  {'grad norm rel. diff':>19}")
     lines += [f"{row['iteration']:>9}  {row['loss']:>14.2e}  {row['grad_norm']:>19.2e}" for row in verdict.iterations]
@@ -149,6 +156,8 @@ def report(
             f"MISMATCH at iteration {verdict.first_difference}: {verdict.reason} (tolerance {tolerance:.0e}); "
             f"{schedule} does not train like megatron-core's schedule here"
         )
+    if replan:
+        lines[-1] += f"; {replan}"
     return "\n".join(lines)
 
 

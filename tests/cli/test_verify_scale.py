@@ -22,6 +22,7 @@ import pytest
 from megatron_zb import verify
 from megatron_zb.flags.megatron_lm_parser import given_flags, megatron_lm_parser, megatron_lm_version
 from megatron_zb.megatron.args import add_args, schedule_settings
+from megatron_zb.megatron_lm import preflight
 from megatron_zb.verify import scale
 
 EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
@@ -223,15 +224,41 @@ def test_moe_expert_tensor_parallelism_gives_way_to_expert_parallelism(tmp_path:
 
 
 @pytest.mark.parametrize("extra, words", [
-    ("--moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "CUDA kernels", "alltoall"]),
+    ("--enable-zero-bubble --moe-token-dispatcher-type flex",
+     ["--moe-token-dispatcher-type flex", "CUDA kernels", "alltoall"]),
     ("--overlap-moe-expert-parallel-comm", ["--overlap-moe-expert-parallel-comm", "CUDA streams"]),
 ])  # fmt: skip
 def test_moe_features_a_cpu_cannot_run_are_refused_before_any_process(extra: str, words: list[str]) -> None:
-    argv = [*example("llama3_8b_core_v0.19.0"), "--enable-zero-bubble", "--num-experts", "8", *extra.split()]
+    argv = [*example("llama3_8b_core_v0.19.0"), "--num-experts", "8", *extra.split()]
     code, out, err = run_main(["--", *argv])
     assert code == 2 and "gloo processes" not in out
     for word in words:
         assert word in err, err
+
+
+def test_megatron_lms_all_to_all_overlap_is_our_pairs_in_the_zero_bubble_run(tmp_path: Path) -> None:
+    """With a megatron-zb schedule the flag stays in the zb run (its ranks map it to overlapped F&B pairs, re-planned
+    after iterations 1-2) and megatron-core's run leaves it out; too few iterations to re-plan are refused."""
+    moe = "--num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+    argv = [
+        *example("llama3_8b_core_v0.19.0"),
+        "--enable-zero-bubble",
+        *moe.split(),
+        "--overlap-moe-expert-parallel-comm",
+    ]
+    line = scaled(argv, tmp_path)
+    assert "--overlap-moe-expert-parallel-comm" in line.argv
+    assert "--overlap-moe-expert-parallel-comm" not in line.reference_argv
+    assert values(line.argv, "--zero-bubble-pipeline-timers-start-iter") == ["1"]
+    assert values(line.argv, "--zero-bubble-pipeline-timers-end-iter") == ["2"]
+    assert values(line.reference_argv, "--zero-bubble-pipeline-timers-end-iter") is None
+    why = {change.flag: change.why for change in line.changes}
+    assert "--zero-bubble-overlap-f-b" in why["--overlap-moe-expert-parallel-comm"]
+    validated = preflight.validate(PARSER, line.argv, line.processes)
+    assert validated.zero_bubble_overlap_f_b and not validated.overlap_moe_expert_parallel_comm
+    assert not preflight.validate(PARSER, line.reference_argv, line.processes).zero_bubble_overlap_f_b
+    with pytest.raises(scale.Refused, match="--verify-iters 3 or more"):
+        scaled(argv, tmp_path, iterations=2)
 
 
 def test_a_line_without_a_zero_bubble_schedule_is_refused() -> None:

@@ -190,6 +190,20 @@ def gpu_only_on_cpu() -> str:
     return _gpu_only("fp8", [Given("--fp8-format", ("hybrid",), argparse.Action(["--fp8-format"], "fp8"))])
 
 
+def a2a_overlap_mapped(**given) -> str:
+    from megatron_zb.megatron.megatron_mapping import moe_overlap_as_pairs
+
+    args = SimpleNamespace(overlap_moe_expert_parallel_comm=True, **given)
+    return raised(lambda: moe_overlap_as_pairs(args, True))
+
+
+def a2a_too_few() -> str:
+    """verify's scaled run with too few iterations for the re-plan that places the pairs."""
+    from megatron_zb.verify.scale import _moe_overlap
+
+    return raised(lambda: _moe_overlap(SimpleNamespace(has=lambda dest: True), SimpleNamespace(iterations=2)))
+
+
 def unset_eval_interval(monkeypatch) -> str:
     from megatron_zb.megatron_lm import preflight
 
@@ -455,8 +469,17 @@ CASES = [
     ("--megatron-lm needs a Megatron-LM checkout", no_megatron_lm),
     ("--fp8-format hybrid cannot run on CPU: fp8 needs Transformer Engine", lambda _: gpu_only_on_cpu()),
     ("--eval-interval: Megatron-LM 0.19.2 leaves it unset by default", unset_eval_interval),
+    (
+        "--overlap-moe-expert-parallel-comm hides the all-to-all of megatron-core's alltoall and flex dispatchers; "
+        "--moe-token-dispatcher-type allgather has none",
+        lambda _: a2a_overlap_mapped(moe_token_dispatcher_type="allgather"),
+    ),
     # verify
     ("values that follow no flag", lambda _: unknown_to("0.19.2", "--hidden-size", "64", "128")),
+    (
+        "--overlap-moe-expert-parallel-comm with a megatron-zb schedule runs overlapped F&B pairs",
+        lambda _: a2a_too_few(),
+    ),
     ("your line, before any scaling: Megatron-LM", lambda _: megatron_lm_refuses_the_line()),
     ("--moe-token-dispatcher-type flex: the flex dispatcher is DeepEP's or HybridEP's", lambda _: raised(moe_flex)),
     (
