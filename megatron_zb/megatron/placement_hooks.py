@@ -9,12 +9,15 @@ Megatron-LM's code the placement's answers:
 
 - ``megatron_mapping.prepare_args`` (after ``validate_args``): one model chunk per (rank, chunk) of the placement
   (``virtual_pipeline_model_parallel_size``; BitPipe: of both pipes); megatron's own layout flags are refused.
-- ``core_transformer_config_from_args`` (two pipes, BitPipe): the config is built with the pipes' layer layout
-  (``PlacementLayerLayout``): megatron-core's own check would split --num-layers over 2 x 2 chunks per rank, and
-  the layer specs (MoE or dense per layer) see the placement's layers from the start. (One pipe, the V: the
-  layout is set when each GPTModel is built, below.)
-- ``GPTModel.__init__``: the chunk's config gets the placement's layer layout
-  (``PlacementLayerLayout``, in place) and pre/post process follow its block.
+- ``core_transformer_config_from_args``: the config is built with the placement's layer layout
+  (``PlacementLayerLayout``; BitPipe: both pipes'), so the layer specs Megatron-LM's model provider builds before
+  the GPTModel (MoE or dense per ``--moe-layer-freq``; any spec megatron-core slices by the config's layout) are
+  those of the layers each chunk holds, not megatron's looping mapping's (V, pp 2: rank 0's vp 1 holds layer 4,
+  not 3), and megatron-core's check does not split --num-layers over BitPipe's 2 x 2 chunks per rank. With MTP
+  under the V megatron-core then marks the config ``mtp_standalone`` (MTP on a rank other than the last); only its
+  own P2P reads it (to exchange shapes), which these schedules do not use.
+- ``GPTModel.__init__``: the chunk's config gets the placement's layer layout (``PlacementLayerLayout``, in
+  place, where a config was built without it) and pre/post process follow its block.
 - ``initialize_model_parallel``: the embedding group holds the ranks with a word-embedding copy
   (V: rank 0 alone, so megatron's tied-gradient all-reduce is skipped).
 - ``is_first_or_last_pipeline_stage(vp_stage)``: the chunks holding the first or the last block
@@ -119,10 +122,11 @@ def block_of(pipes: tuple[Placement, ...], rank: int, vp_stage: int) -> int:
 
 @contextlib.contextmanager
 def placement_layout_in(args) -> Iterator[None]:
-    """Megatron-LM's ``args`` carry the pipes' layer layout while a TransformerConfig is built from them.
+    """Megatron-LM's ``args`` carry the placement's layer layout while a TransformerConfig is built from them.
 
-    Only for a schedule of several pipes (BitPipe), whose model list of 2 x 2 chunks per rank does not split
-    --num-layers by megatron's own rule; ``args`` are restored after. Preflight builds its config under it too.
+    Only for a placement megatron does not build itself (the V; BitPipe's pipes): the per-layer specs built from
+    the config then follow the placement's layers; ``args`` are restored after. Preflight builds its config under
+    it too.
     """
     layout = _args_layout(args)
     if layout is None:
@@ -147,7 +151,7 @@ def _args_layout(args):
     if not hasattr(args, "enable_zero_bubble") or getattr(args, "pipeline_model_parallel_layout", None) is not None:
         return None
     settings = megatron_lm_settings() if args is megatron_lm_args() else schedule_settings(copy.copy(args))
-    if settings is None or len(settings.placements) < 2 or foreign_placement(settings.placement) is None:
+    if settings is None or foreign_placement(settings.placement) is None:
         return None
     placement, mtp = settings.placement, getattr(args, "mtp_num_layers", None) or 0
     return PlacementLayerLayout(placement, block_layers(args, args.num_layers, placement), mtp, settings.placements)

@@ -257,3 +257,97 @@ def test_megatrons_own_placement_is_left_to_megatron(pool: WorkerPool) -> None:
     assert rank0["tp_batch"] == {"mtp_on_this_rank": False}
     assert rank1["output_copy_zero_before"] == [False]  # the init all-reduce copied rank 0's embedding
     assert rank0["grads_after_finalize"] == [1.0] and rank1["grads_after_finalize"] == [1.0]
+
+
+# Megatron-LM's gpt_builder (gpt_builders.py, pretrain_gpt's model provider in core_v0.16.1) builds each chunk's config
+# from its arguments and the MoE-or-dense block spec from that config before the GPTModel; the stand-in arguments
+# module copies the arguments' TransformerConfig fields as Megatron-LM's core_transformer_config_from_args does.
+ARGUMENTS = """
+import dataclasses
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+SIZES = dict(
+    hidden_size=16, num_attention_heads=2, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+    add_bias_linear=False, num_moe_experts=2, moe_ffn_hidden_size=8, moe_router_topk=2,
+    moe_token_dispatcher_type="allgather", pipeline_dtype=torch.float32,
+)
+
+def core_transformer_config_from_args(args):
+    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(TransformerConfig)
+             if hasattr(args, field.name)}
+    return TransformerConfig(**SIZES, **given)
+"""
+
+
+def layer_kinds_like_megatron_lm(flags: str, moe_layer_freq: list[int]) -> dict:
+    """One rank of pp=2: each chunk's (layer number, "moe" or "dense"), built as Megatron-LM's gpt_builder builds
+    it (config from the arguments, then get_gpt_decoder_block_spec for the chunk's vp stage), hooks installed."""
+    import sys
+    import types
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    import megatron_zb
+    from megatron_zb.process_groups import destroy_model_parallel
+
+    names = ("megatron.training", "megatron.training.global_vars", "megatron.training.arguments")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        args = megatron_args(flags)
+        args.moe_layer_freq, args.pipeline_model_parallel_layout = moe_layer_freq, None  # Megatron-LM's default
+        for name in names:
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules["megatron.training.global_vars"]._GLOBAL_ARGS = args
+        arguments = sys.modules["megatron.training.arguments"]
+        exec(ARGUMENTS, arguments.__dict__)
+        megatron_zb.install()
+        destroy_model_parallel()
+        vp = args.virtual_pipeline_model_parallel_size
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vp
+        )
+        kinds = []
+        for stage in range(vp or 1):  # get_model()'s loop, then gpt_builder for the chunk
+            vp_stage = stage if vp else None
+            config = arguments.core_transformer_config_from_args(args)
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+            chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8,
+                             share_embeddings_and_output_weights=False, vp_stage=vp_stage)  # fmt: skip
+            kinds.append(
+                [
+                    (layer.layer_number, "moe" if isinstance(layer.mlp, MoELayer) else "dense")
+                    for layer in chunk.decoder.layers
+                ]  # fmt: skip
+            )
+        return {"kinds": kinds, "layout_restored": args.pipeline_model_parallel_layout is None}
+    finally:
+        megatron_zb.uninstall()
+        destroy_model_parallel()
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        # the V: rank 0 holds layers 1 and 4, rank 1 layers 2 and 3 (megatron's looping mapping would give rank 0's
+        # vp 1 layer 3's spec)
+        ("--zero-bubble-v-schedule", [[[(1, "dense")], [(4, "moe")]], [[(2, "moe")], [(3, "dense")]]]),
+        # megatron's own placement: left to megatron's split
+        ("--enable-zero-bubble", [[[(1, "dense"), (2, "moe")]], [[(3, "dense"), (4, "moe")]]]),
+    ],
+)
+def test_each_layer_is_moe_or_dense_as_its_number_says(pool: WorkerPool, flags: str, expected: list) -> None:
+    """--moe-layer-freq [0,1,0,1] (layers 2 and 4 MoE): Megatron-LM's model provider builds every chunk's layer
+    specs from the config, so the config carries the placement's layout from the start."""
+    results = pool.run(layer_kinds_like_megatron_lm, flags=flags, moe_layer_freq=[0, 1, 0, 1])
+    assert [result["kinds"] for result in results] == expected
+    assert all(result["layout_restored"] for result in results)

@@ -314,3 +314,20 @@ def test_verify_through_the_checkout(tmp: Path) -> None:
     assert "zb-v against megatron-core's own schedule, through Megatron-LM" in done.stdout
     assert "your checkout's scripts" in done.stdout
     assert "OK: zb-v matches megatron-core's schedule" in done.stdout
+
+
+def test_v_builds_each_layer_moe_or_dense_by_its_own_number(tmp: Path) -> None:
+    """--moe-layer-freq [0,1,0,1] on pp 2 with an MTP layer: megatron's looping mapping gives rank 0's vp 1 layer 3
+    (dense), the V gives it layer 4 (MoE). core_v0.16.1's model provider builds each chunk's layer specs from a fresh
+    config before the GPTModel (core_v0.19.0's builder shares one config, which the GPTModel hook gives the layout at
+    vp 0). zb-v's loss, MTP loss and grad norm of every iteration equal megatron-core's 1F1B's from the same weights."""
+    line = DEEPSEEK.replace("[0]+[1]*3", "[0,1,0,1]") + " " + MTP.replace(SAME_INIT, "")
+    rows = {}
+    for case, flags in {"pattern-1f1b": "", "pattern-zb-v": "--zero-bubble-v-schedule"}.items():
+        metrics = tmp / f"{case}.jsonl"
+        done = launch(f"{line} {flags}", metrics, "--train-iters", "4")
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows[case] = metric_rows(metrics)
+    reference, found = rows["pattern-1f1b"], rows["pattern-zb-v"]
+    assert sorted(reference) == [1, 2, 3, 4] and reference[4]["loss"] < reference[1]["loss"]
+    assert_rows_equal(found, reference, ("loss", "grad_norm", "mtp_loss"), "pattern-zb-v")
