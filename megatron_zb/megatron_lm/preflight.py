@@ -289,9 +289,26 @@ def validate(parser: argparse.ArgumentParser, argv: Sequence[str], processes: in
             ) from None
     _refuse_unset_eval_interval(args)
     _refuse_missing_optimizer(args)
+    refuse_expert_layout(args, processes)
     check_zero_bubble(args)
     _build_config(args)
     return args
+
+
+def refuse_expert_layout(args: argparse.Namespace, processes: int) -> None:
+    """megatron-core lays out the experts over pipeline x expert-parallel x expert-tensor-parallel ranks, which must
+    divide the processes: ``initialize_model_parallel`` fails in every rank after spawn otherwise."""
+    if not getattr(args, "num_experts", None):
+        return
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
+    if processes % (pp * ep * etp):
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} (by default the tensor-parallel "
+            f"size) x --pipeline-model-parallel-size {pp} = {pp * ep * etp} does not divide the {processes} "
+            "processes, over which megatron-core lays out the experts; give --expert-tensor-parallel-size 1, a "
+            "smaller expert-parallel size or more processes"
+        )
 
 
 def _build_config(args: argparse.Namespace) -> None:

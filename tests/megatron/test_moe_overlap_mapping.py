@@ -95,3 +95,23 @@ def test_verify_says_what_the_re_plan_did(tmp_path, said: str, outcome: str) -> 
     assert replan_outcome(log) == outcome
     log.write_text("  no_zero_bubble_replan ... False\n")
     assert replan_outcome(log) is None
+
+
+@pytest.mark.parametrize(
+    "sizes, processes, refused",
+    [
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=None), 4, True),
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1), 4, False),
+        (dict(tensor_model_parallel_size=1, expert_model_parallel_size=2, expert_tensor_parallel_size=None), 4, False),
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=None), 8, False),
+    ],
+)
+def test_an_expert_layout_that_does_not_divide_the_processes_is_refused_before_spawn(sizes, processes, refused):
+    from megatron_zb.megatron_lm.preflight import refuse_expert_layout
+
+    args = argparse.Namespace(num_experts=8, pipeline_model_parallel_size=2, **sizes)
+    if not refused:
+        refuse_expert_layout(args, processes)
+        return
+    with pytest.raises(ValueError, match=r"= 8 does not divide the 4 processes.*--expert-tensor-parallel-size 1"):
+        refuse_expert_layout(args, processes)
