@@ -1,4 +1,4 @@
-"""The MoE acceptance matrix through Megatron-LM's own pretrain(): every schedule against megatron-core's 1F1B.
+"""The MoE acceptance matrix through Megatron-LM's pretrain() or the launcher's own loop: every schedule against 1F1B.
 
 Two tiny MoE lines (the launcher's in tests/training/test_moe_training.py, on the pretrain() test's GPT of
 tests/megatron/test_real_megatron_lm.py):
@@ -15,17 +15,26 @@ the reference), ``differs`` (the largest relative difference), ``refused`` (exit
 ``failed`` (the last line of its error). The ``resume`` row saves zb-v at iteration 5, resumes, and compares 6-10
 with the uninterrupted zb-v run; ``bitpipe-zb resume`` does the same with BitPipe (two copies of each block, one saved).
 
+``--launcher`` runs the same rows through the launcher's own training loop instead (no ``--megatron-lm``: the
+megatron-core installed in this Python), into ``docs/moe_matrix_launcher.md`` (``.jsonl``); its rows are keyed
+``launcher-mcore-<version>``. ``--lock PATH`` holds that file's lock (as ``flock PATH``) during each launch, so
+that rows take turns with other gloo runs on a shared machine; a row's seconds exclude the wait.
+
 Resumable: rows are appended to ``--results`` (JSON lines) as they finish, and rows already there are skipped
 (``--retry-failed`` runs the failed ones again, ``--only SCHEDULE`` the rows of that schedule, its references taken
 from ``--results``); each run's command and output are kept in
 ``$TMPDIR/moe-matrix-logs``. One row at a time (10-40 s of gloo processes each; a checkout in 10-20 min). Example::
 
     .venv/bin/python scripts/moe_matrix.py --megatron-lm ../shared/megatron-lm/core_v0.16.1
+    .venv/bin/python scripts/moe_matrix.py --launcher --lock /tmp/gloo.lock
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
@@ -82,19 +91,46 @@ def row_key(row: dict) -> tuple[str, str, int, str]:
     return row["checkout"], row["model"], row["ep"], row["schedule"]
 
 
-def launch(root: Path, model: str, ep: int, flags: str, metrics: Path, *extra: str) -> tuple:
-    """One pretrain() run of ``model`` at expert parallelism ``ep`` with ``flags``: (the process, its seconds,
+class Launch:
+    """How each row starts: through pretrain() of the checkout copy at ``root``, or the launcher's own loop (None);
+    under ``flock lock`` when given."""
+
+    def __init__(self, root: Path | None, name: str, lock: Path | None) -> None:
+        self.root, self.name, self.lock = root, name, lock
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "megatron_zb.pretrain_gpt"]
+        return command + (["--megatron-lm", str(self.root)] if self.root is not None else []) + ["--cpu"]
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Hold ``lock`` (flock's lock, exclusive) for one launch; a row's seconds start once it is held."""
+        if self.lock is None:
+            yield
+            return
+        with self.lock.open("a") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def launch(how: Launch, model: str, ep: int, flags: str, metrics: Path, *extra: str) -> tuple:
+    """One run of ``model`` at expert parallelism ``ep`` with ``flags``: (the process, its seconds,
     iteration -> (loss, grad norm))."""
     processes = 2 * ep  # pp 2 x dp ep
-    command = [sys.executable, "-m", "megatron_zb.pretrain_gpt", "--megatron-lm", str(root), "--cpu"]
+    command = how.command()
     command += ["--cpu-procs", str(processes), *MODEL.split(), *MODELS[model].split()]
     command += ["--expert-model-parallel-size", str(ep), *flags.split(), "--metrics-file", str(metrics)]
     command += ["--train-iters", str(ITERATIONS), *extra]
-    start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    with how.turn():
+        start = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+        seconds = round(time.monotonic() - start, 1)
     LOGS.mkdir(parents=True, exist_ok=True)
-    (LOGS / f"{root.name}-{metrics.stem}.log").write_text(" ".join(command) + "\n" + done.stdout + done.stderr)
-    return done, round(time.monotonic() - start, 1), metrics_rows(metrics)
+    (LOGS / f"{how.name}-{metrics.stem}.log").write_text(" ".join(command) + "\n" + done.stdout + done.stderr)
+    return done, seconds, metrics_rows(metrics)
 
 
 def metrics_rows(metrics: Path) -> dict[int, tuple[float, float]]:
@@ -137,11 +173,14 @@ def compared(done, seconds, found, reference, base: dict) -> dict:
     return {**base, "result": result, "max_rel_diff": worst, "why": "", "seconds": seconds, "iterations": measured}
 
 
-def run_matrix(root: Path, name: str, scratch: Path, results: Path, done_rows: dict, only: list[str]) -> None:
+def run_matrix(
+    how: Launch, scratch: Path, results: Path, done_rows: dict, only: list[str], sizes: tuple[int, ...]
+) -> None:
     """Every (model, EP, schedule) row not in ``done_rows`` (of the ``only`` schedules when given), then the resume
-    row; the reference's iterations come from its recorded row."""
+    row, at the expert-parallel ``sizes``; the reference's iterations come from its recorded row."""
+    name = how.name
     for model in MODELS:
-        for ep in EXPERT_PARALLEL:
+        for ep in sizes:
             for schedule, flags in SCHEDULES.items():
                 if only and schedule not in only:
                     continue
@@ -154,7 +193,7 @@ def run_matrix(root: Path, name: str, scratch: Path, results: Path, done_rows: d
                 label = f"{model}-ep{ep}-{schedule.replace(' ', '-')}"
                 checkpoint = scratch / f"{label}-ckpt"
                 extra = ("--save", str(checkpoint), "--save-interval", str(HALF)) if saving else ()
-                done, seconds, found = launch(root, model, ep, flags, scratch / f"{label}.jsonl", *extra)
+                done, seconds, found = launch(how, model, ep, flags, scratch / f"{label}.jsonl", *extra)
                 row = compared(done, seconds, found, found if schedule == REFERENCE else reference, base)
                 falls = ITERATIONS in found and 1 in found and found[ITERATIONS][0] < found[1][0]
                 if schedule == REFERENCE and row["result"] == "OK" and not falls:
@@ -164,7 +203,7 @@ def run_matrix(root: Path, name: str, scratch: Path, results: Path, done_rows: d
                     (checkpoint / "latest_checkpointed_iteration.txt").write_text(str(HALF))
                     resumed = {"checkout": name, "model": model, "ep": ep, "schedule": resume}
                     again, seconds, later = launch(
-                        root, model, ep, flags, scratch / f"{label}-resumed.jsonl", "--load", str(checkpoint)
+                        how, model, ep, flags, scratch / f"{label}-resumed.jsonl", "--load", str(checkpoint)
                     )
                     uninterrupted = {it: value for it, value in found.items() if it > HALF}
                     row = compared(again, seconds, later, uninterrupted, resumed)
@@ -210,7 +249,7 @@ def result_text(row: dict) -> str:
     return row["result"]
 
 
-def table(rows: dict) -> str:
+def table(rows: dict, launcher: bool = False) -> str:
     order = [REFERENCE, *[name for name in SCHEDULES if name != REFERENCE], *RESUMED]
     ranked = sorted(
         rows.values(),
@@ -220,22 +259,41 @@ def table(rows: dict) -> str:
     for row in ranked:
         counts[row["result"]] = counts.get(row["result"], 0) + 1
     head = ", ".join(f"{count} {result}" for result, count in sorted(counts.items()))
+    if launcher:
+        title, what = (
+            "the launcher's own training loop",
+            "`python -m megatron_zb.pretrain_gpt --cpu` (no --megatron-lm)",
+        )
+        how = (
+            "Run as `.venv/bin/python scripts/moe_matrix.py --launcher --lock /tmp/gloo.lock` (Python 3.11, "
+            "megatron-core 0.16.1 installed) and `.venv-mcore-0.19.2/bin/python scripts/moe_matrix.py --launcher "
+            "--lock /tmp/gloo.lock` (Python 3.12, megatron-core 0.19.2 installed): the ranks import the installed "
+            "megatron-core and train in megatron-zb's own loop (megatron_zb/training/). The pretrain() matrix of the "
+            "same rows: [moe_matrix.md](moe_matrix.md)."
+        )
+        column = "megatron-core"
+    else:
+        title, what = "Megatron-LM's pretrain()", "`python -m megatron_zb.pretrain_gpt --megatron-lm <checkout> --cpu`"
+        how = (
+            "Run as `.venv/bin/python scripts/moe_matrix.py --megatron-lm ../shared/megatron-lm/core_v0.16.1` "
+            "(Python 3.11, megatron-core 0.16.1 installed) and `.venv-mcore-0.19.2/bin/python scripts/moe_matrix.py "
+            "--megatron-lm ../shared/megatron-lm/core_v0.19.0` (Python 3.12, megatron-core 0.19.2 installed); the "
+            "checkout is copied to a temporary folder and its megatron-core is the one the ranks import."
+        )
+        column = "checkout"
     lines = [
-        "# MoE schedules through Megatron-LM's pretrain(): the acceptance matrix",
+        f"# MoE schedules through {title}: the acceptance matrix",
         "",
         "Written by `scripts/moe_matrix.py` (its docstring gives the two models and how a row is compared): each row "
-        f"is {ITERATIONS} iterations of `python -m megatron_zb.pretrain_gpt --megatron-lm <checkout> --cpu` at pp 2, "
+        f"is {ITERATIONS} iterations of {what} at pp 2, "
         "expert parallelism 1 (2 gloo processes) or 2 (4), compared with megatron-core's 1F1B of the same line "
         f"(loss and grad norm, {TOLERANCE:g} relative; OK gives the largest relative difference). `resume` "
         f"(`bitpipe-zb resume`): zb-v (bitpipe-zb) saved at iteration {HALF} and resumed, against "
         f"the uninterrupted run. {len(ranked)} rows: {head}.",
         "",
-        "Run as `.venv/bin/python scripts/moe_matrix.py --megatron-lm ../shared/megatron-lm/core_v0.16.1` (Python "
-        "3.11, megatron-core 0.16.1 installed) and `.venv-mcore-0.19.2/bin/python scripts/moe_matrix.py "
-        "--megatron-lm ../shared/megatron-lm/core_v0.19.0` (Python 3.12, megatron-core 0.19.2 installed); the "
-        "checkout is copied to a temporary folder and its megatron-core is the one the ranks import.",
+        how,
         "",
-        "| checkout | model | EP | schedule | result | s |",
+        f"| {column} | model | EP | schedule | result | s |",
         "|---|---|---|---|---|---|",
     ]
     for row in ranked:
@@ -249,8 +307,12 @@ def table(rows: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--megatron-lm", type=Path, default=checkouts.SHARED_CHECKOUT, metavar="PATH")
-    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "moe_matrix.jsonl")
-    parser.add_argument("--table", type=Path, default=ROOT / "docs" / "moe_matrix.md")
+    parser.add_argument(
+        "--launcher", action="store_true", help="through the launcher's own loop (the installed megatron-core)"
+    )
+    parser.add_argument("--lock", type=Path, metavar="PATH", help="run each launch under flock PATH")
+    parser.add_argument("--results", type=Path, help="default: docs/moe_matrix.jsonl (_launcher.jsonl)")
+    parser.add_argument("--table", type=Path, help="default: docs/moe_matrix.md (_launcher.md)")
     parser.add_argument("--table-only", action="store_true", help="write the table from --results and stop")
     parser.add_argument("--retry-failed", action="store_true", help="run the rows that failed again")
     parser.add_argument(
@@ -261,28 +323,46 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SCHEDULE",
         help="run only this schedule's rows again (repeatable), against the references recorded in --results",
     )
+    parser.add_argument(
+        "--ep", type=int, action="append", choices=EXPERT_PARALLEL, help="run only the rows at this EP (repeatable)"
+    )
     options = parser.parse_args(argv)
+    stem = "moe_matrix_launcher" if options.launcher else "moe_matrix"
+    options.results = options.results or ROOT / "docs" / f"{stem}.jsonl"
+    options.table = options.table or ROOT / "docs" / f"{stem}.md"
+    if options.launcher:
+        name = f"launcher-mcore-{importlib.metadata.version('megatron-core')}"
+    else:
+        name = options.megatron_lm.resolve().name
     done_rows = read_results(options.results)
     if options.retry_failed and not options.table_only:
         done_rows = {key: row for key, row in done_rows.items() if row["result"] != "failed"}
     if options.only and not options.table_only:
-        name = options.megatron_lm.resolve().name
         done_rows = {
             key: row
             for key, row in done_rows.items()
             if not (key[0] == name and RESUMED.get(row["schedule"], row["schedule"]) in options.only)
         }
     if not options.table_only:
-        name = options.megatron_lm.resolve().name
         with tempfile.TemporaryDirectory(prefix="moe-matrix-") as folder:
             scratch = Path(folder)
-            root = scratch / name
-            shutil.copytree(options.megatron_lm, root, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-            for path in (root, *root.rglob("*")):
-                path.chmod(path.stat().st_mode | 0o200)
-            run_matrix(root, name, scratch, options.results, done_rows, options.only)
+            root = None
+            if not options.launcher:
+                root = scratch / name
+                shutil.copytree(options.megatron_lm, root, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+                for path in (root, *root.rglob("*")):
+                    path.chmod(path.stat().st_mode | 0o200)
+            run_matrix(
+                Launch(root, name, options.lock),
+                scratch,
+                options.results,
+                done_rows,
+                options.only,
+                tuple(options.ep or EXPERT_PARALLEL),
+            )
+        done_rows = read_results(options.results)  # with the rows another matrix (another Python) appended meanwhile
     options.results.write_text("".join(json.dumps(row) + "\n" for row in done_rows.values()))  # superseded out
-    options.table.write_text(table(done_rows))
+    options.table.write_text(table(done_rows, options.launcher))
     return 0
 
 

@@ -7,6 +7,8 @@
     <dir>/iter_0000005/manifest.json                     every file's size and sha256, layout, placement
     <dir>/iter_0000005/mp_rank_00_001/model_optim_rng.pt         plain optimizer: dp rank 0 of (tp 0, pp 1)
     <dir>/iter_0000005/mp_rank_00_001_003/model_optim_rng.pt     distributed optimizer: every dp rank
+    <dir>/iter_0000005/mp_rank_00_001_002/model_optim_rng.pt     expert parallel, plain: ep rank 2
+    <dir>/iter_0000005/mp_rank_00_001_002_001/model_optim_rng.pt expert parallel, distributed: ep 2, expert-dp 1
 
 A save is atomic. Rank 0 empties the hidden ``.iter_0000005.partial`` folder; every writing rank
 puts its file there and fsyncs it; the ranks' sizes and hashes are gathered to rank 0, which adds
@@ -27,7 +29,10 @@ With the distributed optimizer each dp rank holds a shard of the fp32 main param
 moments that ``state_dict()`` leaves out, so every dp rank writes its shard
 (``get_parameter_state_dp_reshardable``: no communication) and its RNG state; the model
 weights are only in dp rank 0's file, which the others read (memory-mapped) on load.
-Resuming needs the same tp, pp, dp (with context parallel) and chunk count: a checkpoint is
+With expert parallelism each ep rank of a data-parallel group holds other experts, so the
+replicas are the expert-data-parallel group (the ranks of one ep rank): everything above applies
+within it, and the file names gain the ep rank (Megatron-LM's legacy ``mp_rank_TT_PPP_EEE``).
+Resuming needs the same tp, pp, dp (with context parallel), ep and chunk count: a checkpoint is
 not resharded. The folder must be shared by all ranks. Files hold pickled Python objects: the
 hashes catch damage, not tampering; load only checkpoints you trust.
 
@@ -40,7 +45,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +100,9 @@ Hook = Callable[[str, Path], None]
 class _Ranks:
     tp: int
     pp: int
-    dp: int
+    dp: int  # within the replicas of this rank's state: the expert-data-parallel rank when ep is set
     world: int
+    ep: int | None = None  # the expert-parallel rank, None without expert parallelism
 
 
 def save_checkpoint(
@@ -124,7 +130,9 @@ def save_checkpoint(
     directory = Path(directory)
     staging = staging_directory(directory, iteration)
     rng = rng_state()
-    rngs = {ranks.dp: rng} if layout.distributed_optimizer else gather_rng_over_dp(rng, ranks.dp, layout.dp)
+    replicas = layout.dp // layout.ep  # dp = ep x expert dp (expert tensor parallel = tp, see _layout)
+    expert = ranks.ep is not None
+    rngs = {ranks.dp: rng} if layout.distributed_optimizer else gather_rng_over_dp(rng, ranks.dp, replicas, expert)
     _agreed(lambda: _prepare(staging) if ranks.world == 0 else None, f"preparing {staging}")
     written = None
     if layout.distributed_optimizer or ranks.dp == 0:
@@ -242,7 +250,7 @@ def _verify(directory: Path, iteration: int | None, chunks: list, optimizer, ran
     distributed = saved.distributed_optimizer
     own = _rank_file(ranks, distributed)
     reads = [own] if distributed or ranks.dp == 0 else []
-    reads.append(_rank_file(_Ranks(ranks.tp, ranks.pp, 0, ranks.world), distributed))
+    reads.append(_rank_file(replace(ranks, dp=0), distributed))
     hashed = set(reads[:1]) if (distributed or ranks.dp == 0) else set()
     problems = check_files(folder, manifest, sorted(set(reads)), hashed)
     if ranks.world == 0:
@@ -258,7 +266,7 @@ def _restore(target: Path, manifest: dict, chunks: list, optimizer, scheduler, r
     own = _read(target / _rank_file(ranks, distributed))
     models = own
     if distributed and ranks.dp != 0:  # the weights are in dp rank 0's file only
-        models = _read(target / _rank_file(_Ranks(ranks.tp, ranks.pp, 0, ranks.world), True), mmap=True)
+        models = _read(target / _rank_file(replace(ranks, dp=0), True), mmap=True)
     load_model_states(chunks, models)
     for what, given in (("optimizer", optimizer), ("opt_param_scheduler", scheduler)):
         if given is not None and own[what] is None:
@@ -354,14 +362,20 @@ def _layout(chunks: list, optimizer, default_distributed: bool = False) -> Layou
     if not ps.model_parallel_is_initialized():
         _require_single_process()
         return Layout(1, 1, 1, len(chunks), distributed)
-    if ps.get_expert_model_parallel_world_size() > 1:
-        raise ValueError("checkpoints with expert parallelism (expert_model_parallel_size > 1) are not supported")
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1 and ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
+        raise ValueError(
+            "checkpoints with expert parallelism need --expert-tensor-parallel-size equal to "
+            f"--tensor-model-parallel-size ({ps.get_expert_tensor_parallel_world_size()} and "
+            f"{ps.get_tensor_model_parallel_world_size()} here): the files are named by tp and ep rank"
+        )
     return Layout(
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(with_context_parallel=True),
         len(chunks),
         distributed,
+        ep,
     )
 
 
@@ -372,6 +386,10 @@ def _ranks() -> _Ranks:
     if not ps.model_parallel_is_initialized():
         _require_single_process()
         return _Ranks(0, 0, 0, world)
+    if ps.get_expert_model_parallel_world_size() > 1:
+        # Each ep rank holds other experts: the copies of this rank's state are its expert-dp group.
+        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        return _Ranks(tp, pp, ps.get_expert_data_parallel_rank(), world, ps.get_expert_model_parallel_rank())
     return _Ranks(
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),
@@ -390,7 +408,8 @@ def _require_single_process() -> None:
 
 def _rank_file(ranks: _Ranks, distributed: bool) -> str:
     """This rank's file, relative to the iteration folder (Megatron-LM's legacy names)."""
-    name = f"mp_rank_{ranks.tp:02d}_{ranks.pp:03d}" + (f"_{ranks.dp:03d}" if distributed else "")
+    name = f"mp_rank_{ranks.tp:02d}_{ranks.pp:03d}" + (f"_{ranks.ep:03d}" if ranks.ep is not None else "")
+    name += f"_{ranks.dp:03d}" if distributed else ""
     return f"{name}/{FILENAME}"
 
 

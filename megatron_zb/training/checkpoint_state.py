@@ -145,17 +145,27 @@ def set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def gather_rng_over_dp(rng: dict, dp_rank: int, dp_size: int) -> dict[int, dict] | None:
-    """Every dp rank's RNG state, on dp rank 0 (None elsewhere)."""
+def gather_rng_over_dp(rng: dict, dp_rank: int, dp_size: int, expert: bool = False) -> dict[int, dict] | None:
+    """Every dp rank's RNG state, on dp rank 0 (None elsewhere).
+
+    ``expert``: over the expert-data-parallel group (with expert parallelism, the ranks that share
+    this rank's experts and so its checkpoint file); ``dp_rank``/``dp_size`` are then within it.
+    """
     if dp_size == 1:
         return {0: rng}
     from megatron.core import parallel_state as ps
 
     try:
-        group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+        if expert:
+            group = ps.get_expert_data_parallel_group_gloo()
+        else:
+            group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
     except (AssertionError, RuntimeError):
         group = None
-    group = group or ps.get_data_parallel_group(with_context_parallel=True)
+    if group is None:
+        group = (
+            ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
+        )
     gathered = [None] * dp_size if dp_rank == 0 else None
     dist.gather_object(rng, gathered, dst=dist.get_global_rank(group, 0), group=group)
     return dict(enumerate(gathered)) if gathered is not None else None

@@ -44,14 +44,17 @@ class Layout:
     dp: int  # data parallel with context parallel: the ranks that share one (tp, pp) model shard
     chunks: int
     distributed_optimizer: bool
+    ep: int = 1  # expert parallel: each of these ranks (within dp) holds other experts
 
     def describe(self) -> str:
         kind = "distributed" if self.distributed_optimizer else "plain"
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} chunks={self.chunks} ({kind} optimizer)"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} chunks={self.chunks} ({kind} optimizer)"
 
     @classmethod
     def from_dict(cls, data: dict) -> Layout:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """Checkpoints written before ``ep`` was recorded had no expert parallelism (it was refused)."""
+        return cls(**{f.name: data.get(f.name, f.default) if f.name == "ep" else data[f.name] for f in fields(cls)})
 
 
 LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))
@@ -61,6 +64,7 @@ _FLAGS = {
     "dp": "the data-parallel size (processes / (tensor x pipeline))",
     "chunks": "the schedule's chunks per rank (--pipeline-schedule / --virtual-pipeline-model-parallel-size)",
     "distributed_optimizer": "--use-distributed-optimizer",
+    "ep": "--expert-model-parallel-size",
 }
 
 
@@ -319,13 +323,14 @@ def _check_loadable(args: argparse.Namespace, folder: Path) -> None:
         manifest = read_manifest(folder)
     except CheckpointError as error:
         raise CheckpointError(f"--load {args.load}: {error}") from None
-    saved = manifest["layout"]
+    saved = asdict(Layout.from_dict(manifest["layout"]))
     ours = {
         "tp": args.tensor_model_parallel_size,
         "pp": args.pipeline_model_parallel_size,
         "dp": args.data_parallel_size * getattr(args, "context_parallel_size", 1),
         "chunks": sum(placement.chunks for placement in args.placements),
         "distributed_optimizer": bool(args.use_distributed_optimizer),
+        "ep": getattr(args, "expert_model_parallel_size", 1) or 1,
     }
     differs = [f"{_FLAGS[k]}: checkpoint {saved[k]}, this run {ours[k]}" for k in LAYOUT_FIELDS if saved[k] != ours[k]]
     if manifest["placement"] is not None and manifest["placement"] != placement_text(_placements(args)):

@@ -74,12 +74,12 @@ def check_moe(args: argparse.Namespace) -> list[str]:
             f"group-limited routing: --num-experts {experts} must divide by --moe-router-num-groups {groups}, and "
             f"--moe-router-group-topk {group_topk} be at most {groups}"
         )
-    if ep > 1 and (args.save or args.load):
+    if ep > 1 and (args.save or args.load) and etp != tp:
         option = "--save" if args.save else "--load"
         raise ValueError(
-            f"{option} with --expert-model-parallel-size {ep}: checkpoints of experts spread over ranks are not "
-            "written yet (each expert-parallel rank holds other experts); checkpoint with "
-            "--expert-model-parallel-size 1"
+            f"{option} with --expert-model-parallel-size {ep} needs --expert-tensor-parallel-size equal to "
+            f"--tensor-model-parallel-size ({etp} and {tp} here): a checkpoint file holds one (tp, ep) rank's "
+            "experts; drop --expert-tensor-parallel-size"
         )
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")

@@ -9,6 +9,7 @@ perturbs the weights before loading. B and C must reproduce A's iterations 3-4 e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,46 @@ def test_missing_directory_is_named(tmp_path):
     Path(missing).mkdir()
     with pytest.raises(CheckpointMissing, match=f"{TRACKER} is missing and there is no iter_\\* folder"):
         load_checkpoint(missing, [], None, None)
+
+
+def _manifest_of(tmp_path: Path, ep: int | None) -> None:
+    """A checkpoint folder whose manifest records expert parallelism ``ep`` (None: written before ep was recorded)."""
+    from megatron_zb.testing.checkpoint_folder import run_args, save
+    from megatron_zb.training.manifest import _json_hash
+
+    folder = save(tmp_path, run_args(tmp_path))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    if ep is None:
+        del body["layout"]["ep"]
+    else:
+        body["layout"]["ep"] = ep
+    (folder / MANIFEST).write_text(json.dumps({**body, "manifest_sha256": _json_hash(body)}))
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2), (None, 2)])
+def test_another_expert_parallel_size_is_refused_before_spawn(tmp_path: Path, saved, resumed: int) -> None:
+    """Each ep rank's file holds its own experts: a checkpoint is not resharded to another ep (None: ep 1)."""
+    from megatron_zb.testing.checkpoint_folder import run_args
+    from megatron_zb.training.manifest import CheckpointError, check_before_spawn
+
+    _manifest_of(tmp_path, saved)
+    with pytest.raises(CheckpointError) as refused:
+        check_before_spawn(run_args(tmp_path, expert_model_parallel_size=resumed))
+    said = str(refused.value)
+    assert f"--expert-model-parallel-size: checkpoint {saved or 1}, this run {resumed}" in said, said
+    assert "saved with another layout" in said and "not resharded" in said
+    check_before_spawn(run_args(tmp_path, expert_model_parallel_size=saved or 1))  # the same ep loads
+
+
+def test_the_ranks_refuse_another_expert_parallel_size_naming_both() -> None:
+    from megatron_zb.training.checkpoint import Layout, _check_layout
+    from megatron_zb.training.manifest import CheckpointError
+
+    with pytest.raises(CheckpointError) as refused:
+        _check_layout(Layout(1, 2, 2, 1, False, ep=2), Layout(1, 2, 2, 1, False), Path("iter_0000005"))
+    assert str(refused.value) == (
+        "checkpoint iter_0000005 was saved with tp=1 pp=2 dp=2 ep=2 chunks=1 (plain optimizer), this run has "
+        "tp=1 pp=2 dp=2 chunks=1 (plain optimizer) (ep: checkpoint 2, this run 1); resume with the same parallel "
+        "sizes, chunk count and optimizer kind (checkpoints are not resharded)"
+    )

@@ -10,7 +10,8 @@ Two tiny MoE lines, on CPU gloo ranks (``run_rank`` in a worker pool, as tests/t
 
 Each trains at pp 2 with expert parallelism 1 (2 processes) and 2 (pp 2 x dp 2: 4 processes, each holding half the
 experts) under megatron-core's own 1F1B (no schedule flag) and megatron-zb schedules: the loss and the grad norm of
-every iteration must agree. One run stops halfway with a checkpoint and resumes exactly.
+every iteration must agree. At each expert-parallel size one run stops halfway with a checkpoint and resumes
+exactly.
 """
 
 from __future__ import annotations
@@ -147,8 +148,11 @@ def pool4(worker_pools) -> WorkerPool:
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_ep2_schedules_equal_megatron_cores(pool4: WorkerPool, model: str) -> None:
-    """pp 2 x dp 2 with --expert-model-parallel-size 2: each rank holds 4 of the 8 experts of every MoE layer."""
+def test_ep2_schedules_equal_megatron_cores(pool4: WorkerPool, model: str, tmp_path: Path) -> None:
+    """pp 2 x dp 2 with --expert-model-parallel-size 2: each rank holds 4 of the 8 experts of every MoE layer.
+
+    Then zb-v halfway and resumed: each ep rank's file holds its own experts, and the run continues exactly.
+    """
     extra = f"--train-iters {ITERATIONS} --expert-model-parallel-size 2"
     built = pool4.run(moe_layers, args=arguments(model, 4, extra + " --pipeline-schedule zb-v"))
     first = 2 if model == "deepseek" else 1  # DeepSeek's first layer is dense
@@ -158,6 +162,32 @@ def test_ep2_schedules_equal_megatron_cores(pool4: WorkerPool, model: str) -> No
     for name in ("zb-1p", "zb-2p", "zb-v"):
         runs[name] = train(pool4, model, f"{extra} --pipeline-schedule {name}")
     assert_agree(runs)
+    saved = tmp_path / "checkpoints"
+    first = train(pool4, model, f"{extra} --pipeline-schedule zb-v --exit-interval {HALF} --save {saved}")
+    folder = saved / f"iter_{HALF:07d}"
+    assert sorted(p.name for p in folder.glob("mp_rank_*")) == [
+        f"mp_rank_00_{pp:03d}_{ep:03d}" for pp in (0, 1) for ep in (0, 1)
+    ]
+    resumed = train(pool4, model, f"{extra} --pipeline-schedule zb-v --load {saved}")
+    assert sorted(first) == list(range(1, HALF + 1)) and sorted(resumed) == list(range(HALF + 1, ITERATIONS + 1))
+    assert resumed == {i: runs["zb-v"][i] for i in resumed}, "the resumed run differs from the uninterrupted one"
+
+
+@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
+def test_ep2_with_two_copies_of_each_expert_resumes_exactly(pool4: WorkerPool, optimizer: str, tmp_path: Path) -> None:
+    """pp 1 x dp 4 at ep 2: each half of the experts sits on two ranks (expert dp 2), whose RNG states (plain) or
+    optimizer shards (distributed) differ; the ranks of one ep rank share its file (plain) or write one each."""
+    extra = f"--train-iters {ITERATIONS} --expert-model-parallel-size 2 --pipeline-model-parallel-size 1"
+    extra += " --use-distributed-optimizer" if optimizer == "distributed" else ""
+    uninterrupted = train(pool4, "mixtral", extra)
+    saved = tmp_path / "checkpoints"
+    first = train(pool4, "mixtral", f"{extra} --exit-interval {HALF} --save {saved}")
+    files = sorted(p.parent.name for p in (saved / f"iter_{HALF:07d}").glob("mp_rank_*/*.pt"))
+    copies = [f"_{copy:03d}" for copy in (0, 1)] if optimizer == "distributed" else [""]
+    assert files == [f"mp_rank_00_000_{ep:03d}{copy}" for ep in (0, 1) for copy in copies]
+    resumed = train(pool4, "mixtral", f"{extra} --load {saved}")
+    assert sorted(first) == list(range(1, HALF + 1)) and sorted(resumed) == list(range(HALF + 1, ITERATIONS + 1))
+    assert resumed == {i: uninterrupted[i] for i in resumed}, "the resumed run differs from the uninterrupted one"
 
 
 # Re-planned from iteration 3's measured costs, with the all-to-all time: the pairs train as the passes in turn.
@@ -190,7 +220,10 @@ def test_moe_flags_are_checked_before_anything_starts() -> None:
         "--num-experts 8 --moe-layer-freq [0]*4": "the pattern has no MoE layer",
         "--num-experts 8 --moe-layer-freq [1]*3": "one 0 (dense) or 1 (MoE) per layer, 4 in all",
         "--expert-model-parallel-size 2": "--expert-model-parallel-size 2 needs --num-experts",
-        "--num-experts 8 --expert-model-parallel-size 2 --save ckpt": "--save with --expert-model-parallel-size 2",
+        "--cpu-procs 8 --num-experts 8 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --save ckpt": (
+            "--save with --expert-model-parallel-size 2 needs --expert-tensor-parallel-size equal to "
+            "--tensor-model-parallel-size"
+        ),
         "--num-experts 8 --moe-router-enable-expert-bias": "needs --moe-router-score-function sigmoid",
         f"{MIXTRAL.replace('aux_loss', 'global_aux_loss')} --pipeline-schedule bitpipe-zb": "bitpipe-zb with "
         "--moe-router-load-balancing-type global_aux_loss: the schedule keeps two copies",
