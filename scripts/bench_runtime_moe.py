@@ -171,8 +171,8 @@ def table(results: list[dict], m: int, model: dict, rounds: int) -> str:
     load = os.getloadavg()[0]
     lines = [
         f"pp={PP}, expert parallelism {EP} (4 gloo processes, one compute thread each, on "
-        f"{os.cpu_count()} cores: busy, load average {load:.1f} when the table was written, other jobs "
-        f"running); m={m}; model {model} (every layer MoE, top-2, alltoall dispatcher); {rounds} rounds, "
+        f"{os.cpu_count()} cores; load average {load:.1f} when the table was written, its own processes "
+        f"included); m={m}; model {model} (every layer MoE, top-2, alltoall dispatcher); {rounds} rounds, "
         "runs interleaved round-robin; iteration: the median; ratio: the median of each round's ratio to that "
         "round's megatron-core 1F1B.",
         "",
