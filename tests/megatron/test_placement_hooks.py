@@ -45,6 +45,22 @@ def megatron_args(flags: str) -> argparse.Namespace:
     return args
 
 
+def clean_up(saved: dict) -> None:
+    """After a worker's stand-in modules: megatron-zb's patches undone, the groups destroyed, ``saved`` put back."""
+    import sys
+
+    import megatron_zb
+    from megatron_zb.process_groups import destroy_model_parallel
+
+    megatron_zb.uninstall()
+    destroy_model_parallel()
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+
+
 def test_only_placements_megatron_cannot_build_are_foreign() -> None:
     assert foreign_placement(v_shape(4)) == v_shape(4)
     assert foreign_placement(linear(4)) is None and foreign_placement(interleaved(4, 2)) is None
@@ -221,13 +237,7 @@ def build_like_megatron_lm(flags: str, tied: bool = True) -> dict:
         found["grads_after_finalize"] = [None if w is None else float(w.grad.mean()) for w in copies]
         return found
     finally:
-        megatron_zb.uninstall()
-        destroy_model_parallel()
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        clean_up(saved)
 
 
 @pytest.fixture(scope="module")
@@ -326,13 +336,7 @@ def layer_kinds_like_megatron_lm(flags: str, moe_layer_freq: list[int]) -> dict:
             )
         return {"kinds": kinds, "layout_restored": args.pipeline_model_parallel_layout is None}
     finally:
-        megatron_zb.uninstall()
-        destroy_model_parallel()
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        clean_up(saved)
 
 
 @pytest.mark.parametrize(
