@@ -62,18 +62,7 @@ def moe_config(dispatcher: str, shared: bool, layer_freq, gate: bool = False, ex
 
 
 def moe_gpt(config):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    torch.manual_seed(0)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        share_embeddings_and_output_weights=False,
-    )
+    return testing_moe.moe_gpt_stage(config, 0, VOCAB, SEQ)  # one stage: the embedding and the loss
 
 
 def batch() -> dict:

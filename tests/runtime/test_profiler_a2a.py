@@ -91,10 +91,7 @@ def profiled_moe_passes() -> dict:
 
 
 def _moe_gpt():
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from megatron_zb.testing.moe import moe_config
+    from megatron_zb.testing.moe import moe_config, moe_gpt_stage
 
     config = moe_config(
         num_layers=4,
@@ -104,9 +101,7 @@ def _moe_gpt():
         num_moe_experts=4,
         moe_ffn_hidden_size=24,
     )
-    torch.manual_seed(0)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False)
+    return moe_gpt_stage(config, 0, VOCAB, SEQ)  # one stage: the embedding and the loss
 
 
 def test_a_schedule_lowered_with_all_to_alls_runs_and_equals_the_reference(pool):
