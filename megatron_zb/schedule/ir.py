@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from .placement import Placement
 
@@ -184,12 +185,12 @@ class Schedule:
 
     def partner(self, p: Pass) -> Pass | None:
         """The pass ``p`` runs beside in an overlapped pair, if any."""
-        for forward, backward in self.overlapped:
-            if p == forward:
-                return backward
-            if p == backward:
-                return forward
-        return None
+        return self._partners.get(p) if self.overlapped else None
+
+    @cached_property
+    def _partners(self) -> dict[Pass, Pass]:
+        """Each paired pass's partner: ``partner`` is asked for every pass of every rank (comm, the executor)."""
+        return {p: q for forward, backward in self.overlapped for p, q in ((forward, backward), (backward, forward))}
 
     def replica(self, pipe: int, stage: int) -> Block | None:
         """The other copy of (pipe, stage)'s weights, if the schedule keeps one."""
