@@ -91,10 +91,10 @@ def program(schedule: Schedule) -> tuple[tuple[Pass | CommStep, ...], ...]:
         incoming.setdefault((message.dst, message.consumer), []).append(message)
         channel.setdefault((message.src, message.dst), []).append(message)
     programs = []
+    paired = {p for pair in schedule.overlapped for p in pair}
     for rank, order in enumerate(schedule.orders):
         posted: dict[int, int] = {}  # sender -> receives posted so far
         steps: list[Pass | CommStep] = []
-        paired = {p for pair in schedule.overlapped for p in pair}
         for index, p in enumerate(order):
             if p in paired and index + 1 < len(order) and order[index + 1] == schedule.partner(p):
                 first = True
