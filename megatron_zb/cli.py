@@ -55,7 +55,9 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_UNIT_COSTS = {"cost_f": (1.0,), "cost_b": (1.0,), "cost_w": (1.0,), "cost_comm": 0.0, "cost_a2a": (0.0,)}
+_UNIT_COSTS = {
+    "cost_f": (1.0,), "cost_b": (1.0,), "cost_w": (1.0,), "cost_bw": None, "cost_comm": 0.0, "cost_a2a": (0.0,)
+}  # fmt: skip
 _MEMORY = {"mem_f": (1.0,), "mem_b": (-0.5,), "mem_w": (-0.5,)}
 _DATA_PARALLEL = {"cost_dp": (0.0,), "mem_param": (0.0,)}
 

@@ -4,7 +4,8 @@ Two processes with one compute thread each run a small GPT for every schedule in
 (round-robin, so drift hits all alike); the median iteration time is reported as a ratio to
 megatron-core's 1F1B, next to the simulator's prediction from costs profiled in the same
 run (T_F, T_B, T_W per stage and what the first and last block add, from a zb-v run: its
-V has two blocks per stage; T_comm from a ping-pong). The automatic schedules are planned
+V has two blocks per stage; T_BW, the fused backward that prices 1F1B, from a 1f1b run; T_comm
+from a ping-pong). The automatic schedules are planned
 with those costs, as re-planning does in training. PyTorch's own pipelining runtime runs a
 plain PyTorch GPT of the same sizes in the same rounds (``bench_runtime_pytorch.py``): its
 schedules' ratio to its Schedule1F1B is the peer of ours to megatron-core's. The prediction is
@@ -39,6 +40,9 @@ SCHEDULES = ("megatron-1f1b", "1f1b", "zb-h1", "zb-2p", "zb-v")
 # The schedule whose passes (F, B and W apart) give the costs, before and during the timed rounds: a
 # placement with two blocks per stage, so that the profile also says what the embedding and the loss add.
 PROFILED = "zb-v"
+# The schedule whose fused backward (a BW pass, B and W in one) gives the cost model's t_bw, which prices
+# 1F1B: on this CPU it takes less than the split B + W of the same layers.
+FUSED = "1f1b"
 # Iterations profiled before the timed rounds: the ends' extras are differences of block times, noisier than these.
 PROFILED_ITERATIONS = 5
 
@@ -85,14 +89,19 @@ def measure(
 
     group = parallel_state.get_pipeline_model_parallel_group()
     shape = (toy.seq, toy.micro_batch, toy.hidden)
-    profiler = PassProfiler()
-    profiled = ForwardBackward(PROFILED, profiler=profiler)
-    for index in range(warmup + PROFILED_ITERATIONS):
-        if index == warmup:
-            profiler.start()
-        iteration(profiled, chunks_for(profiled))
-    profiler.stop()
-    costs = profiler.cost_model(profiled.schedule_for(pp, m), group, shape)
+
+    def profile(name: str):
+        """The costs of ``PROFILED_ITERATIONS`` iterations of ``name`` after ``warmup`` untimed ones."""
+        profiler = PassProfiler()
+        runner = ForwardBackward(name, profiler=profiler)
+        for index in range(warmup + PROFILED_ITERATIONS):
+            if index == warmup:
+                profiler.start()
+            iteration(runner, chunks_for(runner))
+        profiler.stop()
+        return profiler.cost_model(runner.schedule_for(pp, m), group, shape)
+
+    costs = with_fused_backward(profile(PROFILED), profile(FUSED))
 
     runs, profilers, plans = {}, {}, {}
     for name in schedules:
@@ -119,7 +128,10 @@ def measure(
             if profiler is not None:
                 profiler.stop()
     # The same costs measured in the timed rounds: what the executed plans should have taken there.
-    in_run = profilers[PROFILED].cost_model(plans[PROFILED], group, shape)
+    in_run = with_fused_backward(
+        profilers[PROFILED].cost_model(plans[PROFILED], group, shape),
+        profilers[FUSED].cost_model(plans[FUSED], group, shape),
+    )
     # Each run's own passes as timed in the rounds (1F1B's fused backward, not B + W of the split passes);
     # megatron-core's 1F1B is not profiled: it runs our 1f1b's order and megatron-core's fused linears.
     own = {name: profilers[name].cost_model(plans[name], group, shape) for name in schedules if profilers[name]}
@@ -135,20 +147,16 @@ def measure(
     }
 
 
+def with_fused_backward(split, fused):
+    """``split``'s costs with the fused BW time ``fused`` measured (``CostModel.t_bw``; its ends: B's plus W's)."""
+    return dataclasses.replace(split, t_bw=fused.t_bw, t_bw_ends=None)
+
+
 def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict) -> dict:
     """This rank's mean idle breakdown per profiled schedule, measured and predicted (seconds)."""
-    import torch.distributed as dist
-
-    from megatron_zb.runtime.profiler import add_sums, stage_sums
     from megatron_zb.schedule import simulate
     from megatron_zb.training import idle
 
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, stage_sums(profilers["1f1b"].records, plans["1f1b"]))
-    sums: dict = {}
-    for rank_sums in gathered:
-        add_sums(sums, rank_sums)
-    reference = fused_blocks(idle.fused_backward(sums, plans["1f1b"]), costs)
     found = {}
     for name, profiler in profilers.items():
         if profiler is None:
@@ -159,7 +167,7 @@ def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict)
         measured = [
             dataclasses.replace(
                 idle.measured(profiler.records, call, gaps),
-                w_split=w_split(profiler.records, call, schedule, reference),
+                w_split=w_split(profiler.records, call, schedule, costs),
             )
             for call in profiler.calls
         ]
@@ -172,22 +180,8 @@ def idle_breakdowns(profilers: dict, plans: dict, costs, rank: int, times: dict)
     return found
 
 
-def fused_blocks(fused: tuple[float, ...], costs):
-    """1F1B's fused backward per full stage as a cost model (``t_b``) whose ends add B's and W's extras.
-
-    ``training.idle.w_split`` gives every block its stage's share; on the V, rank 0's blocks hold
-    the embedding and the loss and that share would count their backward as W-split overhead.
-    """
-    from megatron_zb.schedule import CostModel
-
-    last = costs.pp - 1
-    first_extra = min(costs.t_b_ends[0] + costs.t_w_ends[0], fused[0])
-    last_extra = min(costs.t_b_ends[1] + costs.t_w_ends[1], fused[last] - (first_extra if last == 0 else 0.0))
-    return CostModel(costs.pp, t_f=0.0, t_b=fused, t_w=0.0, t_b_ends=(first_extra, last_extra))
-
-
-def w_split(records: list, call, schedule, fused) -> float:
-    """One run's B and W passes minus the fused backward of their blocks (``fused_blocks``), seconds."""
+def w_split(records: list, call, schedule, costs) -> float:
+    """One run's B and W passes minus the fused backward of their blocks (``costs.t_bw``, ends and all), seconds."""
     from megatron_zb.schedule import PassKind
 
     extra = 0.0
@@ -196,7 +190,8 @@ def w_split(records: list, call, schedule, fused) -> float:
             continue
         extra += r.end - r.start
         if r.pass_.kind is PassKind.B:
-            extra -= fused.duration(r.pass_, schedule.placements[r.pass_.pipe])
+            fused = dataclasses.replace(r.pass_, kind=PassKind.BW)
+            extra -= costs.duration(fused, schedule.placements[r.pass_.pipe])
     return extra
 
 
@@ -229,16 +224,15 @@ def table(
         "each, schedules interleaved round-robin; iteration: the median; ratio: the median of each round's "
         "ratio to that round's megatron-core 1F1B (PyTorch's schedules: to that round's PyTorch Schedule1F1B).",
         "",
-        f"Costs per stage (ms) from {PROFILED}'s passes, profiled before the timed rounds: "
-        f"{_costs(result['costs'])}; in the timed rounds: {_costs(result['in_run'])}. Ends: what the first "
-        "block (embedding) and the last (output layer and loss) take beyond a block of layers alone; "
-        "included in the first and last stage's time, planned on the blocks that hold them.",
+        f"Costs per stage (ms) from {PROFILED}'s passes (T_BW, the fused backward, from {FUSED}'s), profiled "
+        f"before the timed rounds: {_costs(result['costs'])}; in the timed rounds: {_costs(result['in_run'])}. "
+        "Ends: what the first block (embedding) and the last (output layer and loss) take beyond a block of "
+        "layers alone; included in the first and last stage's time, planned on the blocks that hold them.",
         "",
         "Predicted ratios simulate the executed plans (planned with the costs profiled before) with the costs "
-        f"profiled before, with those of {PROFILED}'s passes measured in the timed rounds themselves, and with "
-        "each run's own passes timed in the rounds (so that 1F1B's fused backward counts as it ran, not as "
-        f"{PROFILED}'s B + W; megatron-core's 1F1B with our 1f1b's, the same order); gain kept is the measured "
-        "gain over megatron-core's 1F1B as a share of the predicted one.",
+        f"profiled before, with those of {PROFILED}'s and {FUSED}'s passes measured in the timed rounds "
+        "themselves, and with each run's own passes timed in the rounds (megatron-core's 1F1B with our 1f1b's, "
+        "the same order); gain kept is the measured gain over megatron-core's 1F1B as a share of the predicted one.",
         "",
         "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio (costs before / in the rounds / "
         "own passes) | predicted bubble (in the rounds) | gain kept (costs before / in the rounds / own passes) |",
@@ -316,9 +310,9 @@ def breakdown_table(results: list[dict], schedules: tuple[str, ...]) -> list[str
     header = " | ".join(title for _, title in BREAKDOWN_COLUMNS)
     lines = [
         "Where each rank's time goes, ms per iteration (mean of the timed iterations), measured (predicted). "
-        "Idle time = planned wait + unplanned wait + send/recv + Python; the W split (B + W beyond 1F1B's "
-        "fused BW of the same layers) is part of compute; outside: the rest of the iteration (the barrier "
-        "that ends it).",
+        "Idle time = planned wait + unplanned wait + send/recv + Python; the W split (B + W beyond the fused "
+        "BW of the same layers, T_BW measured in the rounds) is part of compute; outside: the rest of the "
+        "iteration (the barrier that ends it).",
         "",
         f"| schedule | rank | {header} | outside |",
         "|---|---|" + "---|" * (len(BREAKDOWN_COLUMNS) + 1),
@@ -343,7 +337,11 @@ def _ms(values) -> str:
 
 def _costs(costs) -> str:
     ends = f"ends (first/last) F {_ms(costs.t_f_ends)}, B {_ms(costs.t_b_ends)}, W {_ms(costs.t_w_ends)}"
-    return f"T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, T_W {_ms(costs.t_w)}, T_comm {costs.t_comm * 1e3:.2f}, {ends}"
+    fused = "" if costs.t_bw is None else f", T_BW {_ms(costs.t_bw)}"
+    return (
+        f"T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, T_W {_ms(costs.t_w)}{fused}, T_comm {costs.t_comm * 1e3:.2f}, "
+        f"{ends}"
+    )
 
 
 def main() -> None:

@@ -52,6 +52,8 @@ SETTING = (
         _stage_numbers("--cost-f", "forward time T_F (default 1)"),
         _stage_numbers("--cost-b", "input-gradient backward time T_B (default 1)"),
         _stage_numbers("--cost-w", "weight-gradient backward time T_W (default 1)"),
+        _stage_numbers("--cost-bw", "time of a fused backward (a BW pass, B and W in one, as 1F1B runs it) where it "
+                       "differs from T_B + T_W (default T_B + T_W)"),
         Flag("--cost-comm", "latency per cross-rank transfer (default 0)", type=float, range=FINITE),
         _stage_numbers("--cost-a2a", "expert-parallel all-to-all time of one microbatch in one direction (dispatch "
                        "and combine of the stage's MoE layers), a part of T_F and of T_B (default 0)"),

@@ -254,7 +254,7 @@ def agreed_cost_model(
         total, count = totals.get((kind, stage), (0.0, 0))
         return total / count if count else None
 
-    t_f, t_b, t_w = [], [], []
+    t_f, t_b, t_w, t_bw = [], [], [], []
     for stage in range(schedule.pp):
         f, b, w, bw = (mean(kind, stage) for kind in ("F", "B", "W", "BW"))
         if b is None and bw is not None:  # the backward all-to-all is B's: only the rest is shared with W
@@ -263,23 +263,29 @@ def agreed_cost_model(
         t_f.append(f or 0.0)
         t_b.append(b or 0.0)
         t_w.append(w or 0.0)
+        t_bw.append(bw)
     t_comm = measure_latency(group, boundary_shape, dtype, device)
     per_stage = {"t_f": tuple(t_f), "t_b": tuple(t_b), "t_w": tuple(t_w)}
+    if any(bw is not None for bw in t_bw):  # a stage that ran no BW: its split passes' sum
+        per_stage["t_bw"] = tuple(b + w if bw is None else bw for b, w, bw in zip(t_b, t_w, t_bw, strict=True))
     ends = end_extras(block_totals, schedule, per_stage, w_share_when_fused)
-    without_a2a = CostModel(schedule.pp, *per_stage.values(), t_comm, **ends)
+    without_a2a = CostModel(schedule.pp, t_comm=t_comm, **per_stage, **ends)
     return replace(without_a2a, **all_to_all_times(totals, without_a2a))
 
 
 def all_to_all_times(totals: dict[tuple[str, int], tuple[float, int]], costs: CostModel) -> dict[str, PerStage]:
     """``t_a2a`` and ``t_a2a_b`` per stage: the mean all-to-all seconds of the F records and of the B (BW)
     ones, each at most the layers' part of the pass time that holds it (noise must not make the model invalid)."""
+    holders = {name: [holder] for name, holder in COST_ALL_TO_ALL.items()}
+    if costs.t_bw is not None:  # a BW holds its backward all-to-all too
+        holders["t_a2a_b"].append("t_bw")
     found = {}
     for kind in PARTS.values():
         (name,) = spec(kind).time  # t_a2a, t_a2a_b
         times = []
         for stage in range(costs.pp):
             total, count = totals.get((kind.value, stage), (0.0, 0))
-            held = costs.layer_time(COST_ALL_TO_ALL[name], stage)
+            held = min(costs.layer_time(holder, stage) for holder in holders[name])
             times.append(max(0.0, min(total / count if count else 0.0, held)))
         found[name] = tuple(times)
     return found
@@ -291,7 +297,8 @@ def end_extras(
     per_stage: dict[str, tuple[float, ...]],
     w_share_when_fused: float = 0.5,
 ) -> dict[str, tuple[float, float]]:
-    """``t_f_ends``, ``t_b_ends``, ``t_w_ends`` from the blocks' mean times (``block_sums``, all ranks).
+    """``t_f_ends``, ``t_b_ends``, ``t_w_ends`` from the blocks' mean times (``block_sums``, all ranks), and
+    ``t_bw_ends`` where ``per_stage`` has ``t_bw`` and an end's BW was measured (else derived by ``CostModel``).
 
     The first block's extra is its time beyond the mean of its stage's other blocks (they hold
     as many layers and no end); likewise the last block's. A placement with one block per stage
@@ -312,6 +319,8 @@ def end_extras(
         total, count = blocks.get(("BW", block), (0.0, 0))
         if count and "t_b" not in found:
             found["t_b"], found["t_w"] = total / count * (1 - w_share_when_fused), total / count * w_share_when_fused
+        if count:
+            found["t_bw"] = total / count
         return found
 
     def extra(end: int, stage: int) -> dict[str, float]:
@@ -320,7 +329,7 @@ def end_extras(
             return {}
         own, others = times(end), [times(b) for b in plain]
         found = {}
-        for name in ("t_f", "t_b", "t_w"):
+        for name in per_stage:
             values = [o[name] for o in others if name in o]
             if name in own and len(values) == len(others):
                 found[name] = min(max(own[name] - sum(values) / len(values), 0.0), per_stage[name][stage])
@@ -330,7 +339,10 @@ def end_extras(
     if pp == 1:  # both ends lie in the one stage: together at most its time
         for name in set(first) & set(final):
             final[name] = min(final[name], per_stage[name][0] - first[name])
-    return {f"{name}_ends": (first.get(name, 0.0), final.get(name, 0.0)) for name in ("t_f", "t_b", "t_w")}
+    found = {f"{name}_ends": (first.get(name, 0.0), final.get(name, 0.0)) for name in ("t_f", "t_b", "t_w")}
+    if "t_bw" in first or "t_bw" in final:
+        found["t_bw_ends"] = (first.get("t_bw", 0.0), final.get("t_bw", 0.0))
+    return found
 
 
 def measure_latency(

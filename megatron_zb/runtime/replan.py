@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Schedule, ScheduleError, schedule_from_data, schedule_to_data, simulate
-from ..schedule.costs import ALL_TO_ALL, ENDS
+from ..schedule.costs import ALL_TO_ALL, ENDS, OWN_ENDS
 from ..schedule.costs_file import MeasuredCosts, save_costs
 from .profiler import PassProfiler, add_sums, agreed_cost_model, block_sums, stage_sums
 
@@ -60,7 +60,9 @@ class ReplanReport:
         costs = self.costs
         timed = (
             f"passes timed in iterations {first}-{last}: T_F {_ms(costs.t_f)}, T_B {_ms(costs.t_b)}, "
-            f"T_W {_ms(costs.t_w)} ms per stage, T_comm {costs.t_comm:.3g} ms"
+            f"T_W {_ms(costs.t_w)} ms per stage, "
+            + (f"a fused BW {_ms(costs.t_bw)} ms, " if costs.t_bw is not None else "")
+            + f"T_comm {costs.t_comm:.3g} ms"
             + (
                 f", all-to-all {_ms(costs.t_a2a)} ms in T_F and {_ms(costs.t_a2a_b)} ms in T_B"
                 if costs.has_all_to_all
@@ -220,13 +222,12 @@ def _kept(fields: dict, bubble: float, reason: str, new: str | None = None, new_
 
 def _milliseconds(seconds: CostModel, planned: CostModel | None) -> CostModel:
     """Measured times in ms (readable in logs and plots); memory as the initial plan assumed it."""
+    times = ("t_f", "t_b", "t_w", *ENDS.values(), *ALL_TO_ALL, *OWN_ENDS, *OWN_ENDS.values())
+    given = {name: getattr(seconds, name) for name in times if getattr(seconds, name) is not None}
     costs = CostModel(
         seconds.pp,
-        t_f=tuple(1000 * t for t in seconds.t_f),
-        t_b=tuple(1000 * t for t in seconds.t_b),
-        t_w=tuple(1000 * t for t in seconds.t_w),
         t_comm=1000 * seconds.t_comm,
-        **{name: tuple(1000 * t for t in getattr(seconds, name)) for name in (*ENDS.values(), *ALL_TO_ALL)},
+        **{name: tuple(1000 * t for t in values) for name, values in given.items()},
     )
     if planned is None:
         return costs

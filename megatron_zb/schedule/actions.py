@@ -48,6 +48,7 @@ class ActionSpec:
     uses_weights: bool = False  # runs on the chunk's weights, so needs them gathered when the schedule shards them
     gathers: int = 0  # +1 gathers the chunk's weights (opens a window), -1 releases them, 0 neither
     time: tuple[str, ...] = ()  # the CostModel times whose sum is its duration (none: it takes no time)
+    own_time: str = ""  # a CostModel time measured for this kind itself that, where given, replaces ``time``'s sum
     memory: str = ""  # the CostModel memory delta it applies (allocates +, frees -), if any
     frees: str = ""  # the CostModel memory it releases (what another kind allocated), if any
     grouped: bool = False  # a collective with the rank that holds the block's other copy (Schedule.shared)
@@ -83,7 +84,7 @@ SPECS: dict[PassKind, ActionSpec] = {
         ),
         ActionSpec(
             PassKind.BW, roles=("B", "W"), backward=True, uses_weights=True,
-            time=("t_b", "t_w"), frees="mem_f",
+            time=("t_b", "t_w"), own_time="t_bw", frees="mem_f",
             title="BW fused B+W", short="X", color="#b07cd8", ansi="\x1b[35m",
         ),
         ActionSpec(

@@ -20,7 +20,9 @@ embedding and the loss hold no MoE layer). Planners of compute passes need nothi
 lowering splits them out of the passes (``lower.add_all_to_all``). Overlap is the share of the
 hideable time an overlapped F&B pair hides (``Schedule.overlapped``, ``pair_time``): 1 for two ideal
 streams; measured, it can be lower, or negative where a pair runs slower than its passes one after
-the other.
+the other. A fused BW (B and W in one backward) costs ``t_bw`` where it was measured (a schedule that
+runs BWs, like 1F1B, profiled it; on some machines the fused backward is cheaper than its split),
+and ``t_b + t_w`` without it; ``t_bw_ends`` are its ends' extras (without them: B's plus W's).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .actions import PARTS, spec
+from .actions import PARTS, SPECS, spec
 from .ir import Pass, ScheduleError
 from .placement import Placement
 
@@ -38,6 +40,8 @@ PerStage = tuple[float, ...]
 Ends = tuple[float, float]  # (the first block's extra, the last block's extra)
 # Which time field each ends field adds to.
 ENDS = {"t_f": "t_f_ends", "t_b": "t_b_ends", "t_w": "t_w_ends"}
+# A time measured for a kind itself (``ActionSpec.own_time``): its ends' field, given or else derived.
+OWN_ENDS = {"t_bw": "t_bw_ends"}
 # Larger magnitudes make the simulator's sums lose the precision its 1e-9 comparisons rely on (or overflow).
 MAX_MAGNITUDE = 1e15
 
@@ -45,6 +49,7 @@ FLAGS = {
     "t_f": "--cost-f",
     "t_b": "--cost-b",
     "t_w": "--cost-w",
+    "t_bw": "--cost-bw",
     "t_comm": "--cost-comm",
     "mem_f": "--mem-f",
     "mem_b": "--mem-b",
@@ -125,6 +130,8 @@ class CostModel:
     t_a2a: PerStage = field(default=(0.0,))
     t_a2a_b: PerStage | None = None  # None: as t_a2a
     overlap: float = 1.0  # share of the hideable time an overlapped F&B pair hides, in [-1, 1]
+    t_bw: PerStage | None = None  # a fused BW's time; None: t_b + t_w
+    t_bw_ends: Ends | None = None  # its ends' extras; None: t_b_ends + t_w_ends (at most t_bw)
 
     def __post_init__(self) -> None:
         if isinstance(self.pp, bool) or not isinstance(self.pp, numbers.Integral) or self.pp < 1:
@@ -159,18 +166,47 @@ class CostModel:
         for name, ends_name in ENDS.items():
             object.__setattr__(self, ends_name, _ends(ends_name, getattr(self, ends_name), getattr(self, name)))
         # Not a field: planners call ``duration`` millions of times, and most models have no ends.
-        object.__setattr__(self, "_ends", {n: getattr(self, e) for n, e in ENDS.items() if any(getattr(self, e))})
+        ends = {n: getattr(self, e) for n, e in ENDS.items() if any(getattr(self, e))}
+        ends.update(self._own_ends())
+        object.__setattr__(self, "_ends", ends)
+        # Each kind's time fields: its own measured time where given, else the sum its spec names.
+        names = {}
+        for kind, action in SPECS.items():
+            own = bool(action.own_time) and getattr(self, action.own_time) is not None
+            names[kind] = (action.own_time,) if own else action.time
+        object.__setattr__(self, "_names", names)
         self._check_all_to_all()
+
+    def _own_ends(self) -> dict[str, Ends]:
+        """Check ``t_bw`` and its ends; its ends' extras, given or derived from B's and W's."""
+        if self.t_bw is None:
+            if self.t_bw_ends is not None:
+                raise ScheduleError(f"t_bw_ends {self.t_bw_ends!r} needs {_name('t_bw')}, which is not given")
+            return {}
+        per_stage = _per_stage("t_bw", self.t_bw, self.pp)
+        _check_finite("t_bw", per_stage)
+        if any(v < 0 for v in per_stage):
+            raise ScheduleError(f"{_name('t_bw')} must not be negative: {per_stage}")
+        object.__setattr__(self, "t_bw", per_stage)
+        if self.t_bw_ends is None:  # B's and W's extras, each end at most what its stage leaves
+            first = min(self.t_b_ends[0] + self.t_w_ends[0], per_stage[0])
+            last = min(self.t_b_ends[1] + self.t_w_ends[1], per_stage[-1] - (first if self.pp == 1 else 0.0))
+            ends = (first, last)
+        else:
+            ends = _ends("t_bw_ends", self.t_bw_ends, per_stage)
+            object.__setattr__(self, "t_bw_ends", ends)
+        return {"t_bw": ends} if any(ends) else {}
 
     def _check_all_to_all(self) -> None:
         """T_a2a is inside t_f, t_a2a_b inside t_b, beside the ends' extras (which hold no MoE layer)."""
-        for a2a_name, name in ALL_TO_ALL.items():
+        holders = [*ALL_TO_ALL.items(), *([("t_a2a_b", "t_bw")] if self.t_bw is not None else [])]
+        for a2a_name, name in holders:
             for stage, a2a in enumerate(getattr(self, a2a_name)):
                 layers = self.layer_time(name, stage)
                 if a2a > layers * (1 + 1e-9) + 1e-12:
                     within = f"{_name(name)} {getattr(self, name)[stage]:g}"
                     if layers != getattr(self, name)[stage]:
-                        within += f" less the ends' extra ({_name(ENDS[name])}), {layers:g},"
+                        within += f" less the ends' extra ({_name({**ENDS, **OWN_ENDS}[name])}), {layers:g},"
                     raise ScheduleError(
                         f"{_name(a2a_name)} of stage {stage} is {a2a:g}, more than {within} which includes it "
                         f"(the all-to-alls run inside the {name[2:].upper()} pass); give at most {layers:g}"
@@ -178,7 +214,7 @@ class CostModel:
 
     def layer_time(self, name: str, stage: int) -> float:
         """The full stage's ``name`` time without what the model's ends add to it."""
-        first, last = getattr(self, ENDS[name]) if name in ENDS else (0.0, 0.0)
+        first, last = self._ends.get(name, (0.0, 0.0))
         return getattr(self, name)[stage] - (first if stage == 0 else 0.0) - (last if stage == self.pp - 1 else 0.0)
 
     @property
@@ -189,7 +225,7 @@ class CostModel:
     def duration(self, p: Pass, placement: Placement) -> float:
         """The pass's time: the fields its ``ActionSpec.time`` names, summed, for its block (see the module)."""
         stage = placement.full_stage(p.stage)
-        names = spec(p.kind).time
+        names = self._names[p.kind]
         if placement.chunks == 1 or not self._ends:  # a block is the whole stage, ends and all
             return sum(getattr(self, name)[stage] for name in names) / placement.chunks
         return sum(self._block_time(name, p.stage, placement) for name in names)

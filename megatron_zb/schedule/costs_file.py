@@ -12,15 +12,16 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .costs import ALL_TO_ALL, ENDS, CostModel
+from .costs import ALL_TO_ALL, ENDS, OWN_ENDS, CostModel
 from .ir import ScheduleError
 
 FORMAT = "megatron-zb costs 1"
 _COST_FIELDS = ("t_f", "t_b", "t_w", "t_comm", "mem_f", "mem_b", "mem_w")
 # What the first and last block add (``CostModel.t_f_ends``) and the expert-parallel all-to-alls
 # (``CostModel.t_a2a``, ``t_a2a_b``), and the share of it an overlapped F&B pair hides
-# (``CostModel.overlap``); files written before them have none.
-_OPTIONAL_FIELDS = (*ENDS.values(), *ALL_TO_ALL, "overlap")
+# (``CostModel.overlap``), and a fused BW's own time (``CostModel.t_bw``, written where it was
+# measured); files written before them have none.
+_OPTIONAL_FIELDS = (*ENDS.values(), *ALL_TO_ALL, "overlap", *OWN_ENDS, *OWN_ENDS.values())
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class MeasuredCosts:
 
     def to_dict(self) -> dict:
         costs = {name: getattr(self.costs, name) for name in _COST_FIELDS + _OPTIONAL_FIELDS}
+        costs = {name: value for name, value in costs.items() if value is not None}
         return {
             "format": FORMAT,
             "unit": "ms",

@@ -4,6 +4,8 @@ Against its stage's share alone, the V's rank 0 (embedding and loss) showed thei
 W-split overhead and rank 1 as much again as a saving (docs/bench_runtime.md).
 """
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_zb.runtime.profiler import CallRecord, PassRecord
@@ -42,10 +44,14 @@ def records(schedule, rank: int) -> list[PassRecord]:
 
 def test_a_split_that_costs_what_the_fused_backward_costs_shows_none(bench):
     schedule = build("zb-v", ScheduleSpec(2, 4))
-    fused = bench.fused_blocks(FUSED, COSTS)
+    fused = replace(COSTS, t_bw=FUSED)  # its ends: B's plus W's
     call = CallRecord(0, 0.0, 1.0, 0.0)
     for rank in (0, 1):
         assert bench.w_split(records(schedule, rank), call, schedule, fused) == pytest.approx(0.0, abs=1e-12)
+    # A fused backward cheaper by 0.01 per stage: each B of a half-stage block shows half of it as the split's cost
+    cheaper = replace(COSTS, t_bw=tuple(t - 0.01 for t in FUSED))
+    for rank in (0, 1):
+        assert bench.w_split(records(schedule, rank), call, schedule, cheaper) == pytest.approx(2 * 4 * 0.005)
     # The stage's share alone: rank 0 pays its ends' backward (4 microbatches of (0.01 + 0.03) / 2), rank 1 saves it
     shares = [idle.w_split(records(schedule, rank), schedule, FUSED) for rank in (0, 1)]
     assert shares == pytest.approx([0.08, -0.08])

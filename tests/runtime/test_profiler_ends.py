@@ -48,3 +48,11 @@ def test_an_end_measured_faster_than_its_neighbours_adds_nothing():
     sums = block_sums(schedule)
     sums[("F", 0)] = (3 * 4.0, 3)  # block 0 below block 1's 4.5: noise, not a negative embedding
     assert end_extras(sums, schedule, PER_STAGE)["t_f_ends"] == (0.0, 3.0)
+
+
+def test_a_fused_backwards_own_ends_are_measured_where_it_ran():
+    schedule = build("interleaved-1f1b", ScheduleSpec(2, 4, 2))
+    per_stage = {**PER_STAGE, "t_bw": tuple(b + w for b, w in zip(TRUE.t_b, TRUE.t_w, strict=True))}
+    found = end_extras(block_sums(schedule, kinds=("F", "BW")), schedule, per_stage)
+    assert found["t_bw_ends"] == pytest.approx((0.5, 1.0))  # B's and W's extras: what TRUE prices a BW with
+    assert "t_bw_ends" not in end_extras(block_sums(schedule), schedule, per_stage)  # no BW ran: none measured

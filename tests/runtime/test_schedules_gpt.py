@@ -330,10 +330,11 @@ def test_profiler_measures_every_pass_in_simulator_units(pool, name):
     for result in results:
         assert result["passes"] == result["expected_passes"] and result["iterations"] == [0, 1]
         assert 0 < result["work"] < result["wall"], "pass times exclude waiting and fit in the wall time"
-    if name == "1f1b":  # only fused BW ran: split half and half by default
+    if name == "1f1b":  # only fused BW ran: split half and half by default, and its own time kept
         assert costs.t_b == costs.t_w
-    else:
-        assert costs.t_b != costs.t_w
+        assert costs.t_bw == pytest.approx(tuple(b + w for b, w in zip(costs.t_b, costs.t_w, strict=True)))
+    else:  # no BW ran: a BW would cost B + W
+        assert costs.t_b != costs.t_w and costs.t_bw is None
 
 
 def run_with_one_chunk(name: str) -> str:
