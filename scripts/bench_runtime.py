@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import statistics
 import time
 
@@ -44,7 +46,7 @@ PROFILED = "zb-v"
 # 1F1B: on this CPU it takes less than the split B + W of the same layers.
 FUSED = "1f1b"
 # Iterations profiled before the timed rounds: the ends' extras are differences of block times, noisier than these.
-PROFILED_ITERATIONS = 5
+PROFILED_ITERATIONS = 6
 
 
 def measure(
@@ -90,18 +92,17 @@ def measure(
     group = parallel_state.get_pipeline_model_parallel_group()
     shape = (toy.seq, toy.micro_batch, toy.hidden)
 
-    def profile(name: str):
-        """The costs of ``PROFILED_ITERATIONS`` iterations of ``name`` after ``warmup`` untimed ones."""
-        profiler = PassProfiler()
-        runner = ForwardBackward(name, profiler=profiler)
-        for index in range(warmup + PROFILED_ITERATIONS):
-            if index == warmup:
+    # Both profiled in turn, iteration by iteration, so that the machine's drift does not set t_bw against t_b + t_w.
+    profiling = [(profiler, ForwardBackward(name, profiler=profiler)) for name in (PROFILED, FUSED)
+                 for profiler in [PassProfiler()]]  # fmt: skip
+    for index in range(warmup + PROFILED_ITERATIONS):
+        for profiler, runner in profiling:
+            if index >= warmup:
                 profiler.start()
             iteration(runner, chunks_for(runner))
-        profiler.stop()
-        return profiler.cost_model(runner.schedule_for(pp, m), group, shape)
-
-    costs = with_fused_backward(profile(PROFILED), profile(FUSED))
+            profiler.stop()
+    split, fused = (profiler.cost_model(runner.schedule_for(pp, m), group, shape) for profiler, runner in profiling)
+    costs = with_fused_backward(split, fused)
 
     runs, profilers, plans = {}, {}, {}
     for name in schedules:
@@ -211,6 +212,21 @@ def ratio(times: dict, name: str, reference: str) -> float:
     return statistics.median(t / b for t, b in zip(times[name], times[reference], strict=True))
 
 
+def median_interval(times: dict, name: str, reference: str, level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median per-round ratio (order statistics; at least ``level``).
+
+    The rounds' ratios scatter by a few percent on a shared CPU; the interval says how far the median
+    could be from the machine's true ratio, and with it the gain kept.
+    """
+    ratios = sorted(t / b for t, b in zip(times[name], times[reference], strict=True))
+    n, below = len(ratios), 0.0
+    k = 0  # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2
+    while below + math.comb(n, k) / 2**n <= (1 - level) / 2:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (ratios[k - 1], ratios[n - k]) if k else (ratios[0], ratios[-1])
+
+
 def table(
     results: list[dict], pp: int, m: int, model: dict, rounds: int, schedules: tuple[str, ...], peers: tuple[str, ...]
 ) -> str:
@@ -232,10 +248,13 @@ def table(
         "Predicted ratios simulate the executed plans (planned with the costs profiled before) with the costs "
         f"profiled before, with those of {PROFILED}'s and {FUSED}'s passes measured in the timed rounds "
         "themselves, and with each run's own passes timed in the rounds (megatron-core's 1F1B with our 1f1b's, "
-        "the same order); gain kept is the measured gain over megatron-core's 1F1B as a share of the predicted one.",
+        "the same order); gain kept is the measured gain over megatron-core's 1F1B as a share of the predicted one. "
+        "The interval: order statistics of the rounds' ratios that hold their median with at least 95% "
+        "probability whatever their distribution.",
         "",
-        "| schedule | iteration (ms) | vs megatron-core 1F1B | predicted ratio (costs before / in the rounds / "
-        "own passes) | predicted bubble (in the rounds) | gain kept (costs before / in the rounds / own passes) |",
+        "| schedule | iteration (ms) | vs megatron-core 1F1B (95% interval) | predicted ratio (costs before / in the "
+        "rounds / own passes) | predicted bubble (in the rounds) | gain kept (costs before / in the rounds / own "
+        "passes; interval in the rounds) |",
         "|---|---|---|---|---|---|",
     ]
     kept_by_name = {}
@@ -244,8 +263,11 @@ def table(
         planned = [found[name][0] / found["megatron-1f1b"][0] for found in (before, during, own)]
         kept_by_name[name] = [(1 - measured) / (1 - p) if p < 0.999 else None for p in planned]
         kept = " / ".join("-" if k is None else f"{k:.0%}" for k in kept_by_name[name])
+        low, high = median_interval(result["times"], name, "megatron-1f1b")
+        if planned[1] < 0.999:  # the interval of the gain kept, with the costs in the rounds
+            kept += f" ({(1 - high) / (1 - planned[1]):.0%}-{(1 - low) / (1 - planned[1]):.0%})"
         lines.append(
-            f"| {name} | {times[name] * 1e3:.1f} | {measured:.3f} | "
+            f"| {name} | {times[name] * 1e3:.1f} | {measured:.3f} ({low:.3f}-{high:.3f}) | "
             f"{' / '.join(f'{p:.3f}' for p in planned)} | {during[name][1]:.1%} | {kept} |"
         )
     if peers:
@@ -355,6 +377,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--output", help="also write the table to this markdown file")
     parser.add_argument("--no-pytorch", action="store_true", help="leave PyTorch's pipelining runtime out")
+    parser.add_argument("--times", metavar="FILE", help="also write every round's iteration time (s) as JSON")
     parser.add_argument(
         "--moe",
         action="store_true",
@@ -389,6 +412,9 @@ def main() -> None:
         warmup=args.warmup,
         model=model,
     )
+    if args.times:
+        with open(args.times, "w", encoding="utf-8") as handle:
+            json.dump(results[0]["times"], handle, indent=1)
     text = table(results, pp, args.microbatches, model, args.rounds, SCHEDULES, peers)
     notes = kept_notes(args.output)
     report(text, "Runtime benchmark", "bench_runtime.py", args.output)

@@ -192,7 +192,7 @@ def test_split_linear_binds_arguments_by_the_loaded_signature(monkeypatch) -> No
     group = object()  # not used: no sequence parallelism, no dgrad all-reduce
     for original in (v016, v019):
         monkeypatch.setattr(linear_split, "_original", original)
-        monkeypatch.setattr(linear_split, "_signature", inspect.signature(original))
+        monkeypatch.setattr(linear_split, "_bind", compat.argument_binder(original))
         # Outside our passes: megatron-core's function gets exactly what it was called with.
         assert torch.equal(linear_split.splittable_linear(x, w, None, False, False, False, tp_group=group), expected)
     assert calls == [("0.16", None, group), ("0.19", 1, group)]
@@ -207,3 +207,39 @@ def test_split_linear_binds_arguments_by_the_loaded_signature(monkeypatch) -> No
     assert len(calls) == 2  # inside, the split linear ran, not megatron-core's
     out.sum().backward()
     torch.testing.assert_close(w.grad, torch.ones(3, 5).t() @ x)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((1, 2, 3), {"gradient_accumulation_fusion": False, "allreduce_dgrad": True, "sequence_parallel": False}),
+        ((1, 2, 3, False, True, False, None, 2), {}),
+        ((1, 2), {"bias": 3, "gradient_accumulation_fusion": 0, "allreduce_dgrad": 0, "sequence_parallel": 0}),
+        ((1, 2, 3), {"bogus": 1}),  # unknown name
+        ((1, 2, 3), {"input": 1}),  # given twice
+        ((1,), {}),  # missing ones
+        (tuple(range(11)), {}),  # too many
+    ],
+)
+def test_argument_binder_answers_as_signature_bind(args, kwargs):
+    """The linear's arguments by name on every call: what ``bind`` gives, and ``bind``'s TypeError where it raises."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_zb.compat import argument_binder
+
+    function = layers.linear_with_grad_accumulation_and_async_allreduce
+
+    def outcome(bind) -> object:
+        try:
+            return bind()
+        except TypeError as error:
+            return ("TypeError", str(error))
+
+    def reference() -> dict:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    assert outcome(lambda: argument_binder(function)(args, kwargs)) == outcome(reference)

@@ -21,18 +21,18 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..compat import signature_of
+from ..compat import argument_binder
 from .wgrad import accumulate, active_store
 
 _lock = threading.Lock()
 _patch = None  # the registry's entry (scope ``megatron``: megatron_zb.uninstall() undoes it too)
 _original = None
-_signature = None  # the original's, to bind the arguments of whichever version is loaded
+_bind = None  # the original's arguments by name, for whichever version is loaded
 
 
 def install() -> None:
     """Patch megatron-core's linear function (idempotent; again after an undo), recorded in ``patching``."""
-    global _patch, _original, _signature
+    global _patch, _original, _bind
     from megatron.core.tensor_parallel import layers
 
     from .. import patching
@@ -43,7 +43,7 @@ def install() -> None:
         original = layers.linear_with_grad_accumulation_and_async_allreduce
         if original is splittable_linear:
             return  # ours already (put back by someone's undo that ran out of order): keep the original we hold
-        _original, _signature = original, signature_of(original)
+        _original, _bind = original, argument_binder(original)
         _patch = patching.replace(
             layers, "linear_with_grad_accumulation_and_async_allreduce", splittable_linear, patching.MEGATRON
         )
@@ -69,9 +69,7 @@ def splittable_linear(*args, **kwargs) -> torch.Tensor:
     """
     if active_store() is None:
         return _original(*args, **kwargs)  # outside our passes: leave it to megatron
-    bound = _signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = bound.arguments
+    call = _bind(args, kwargs)
     if call.get("grad_output_buffer") is not None:
         return _original(*args, **kwargs)  # megatron's own deferred embedding wgrad
     if (call.get("gtp_remat_size") or 1) > 1:
