@@ -4,18 +4,12 @@ import math
 
 import pytest
 
-from megatron_zb.testing.scripts import SCRIPTS, load_script
+from megatron_zb.testing.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    import sys
-
-    sys.path.insert(0, str(SCRIPTS))  # it imports its PyTorch peer as the command line does
-    try:
-        yield load_script("bench_runtime")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("bench_runtime")
 
 
 @pytest.mark.parametrize("rounds, low, high", [(16, 4, 13), (48, 17, 32), (5, 1, 5)])

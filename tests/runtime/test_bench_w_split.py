@@ -12,7 +12,7 @@ from megatron_zb.runtime.profiler import CallRecord, PassRecord
 from megatron_zb.schedule.costs import CostModel
 from megatron_zb.schedule.ir import PassKind
 from megatron_zb.schedule.registry import ScheduleSpec, build
-from megatron_zb.testing.scripts import SCRIPTS, load_script
+from megatron_zb.testing.scripts import load_script
 from megatron_zb.training import idle
 
 # Per stage, seconds: B and W as measured on the V (ends on blocks 0 and 3), 1F1B's fused BW = B + W.
@@ -22,13 +22,7 @@ FUSED = (0.14, 0.16)
 
 @pytest.fixture(scope="module")
 def bench():
-    import sys
-
-    sys.path.insert(0, str(SCRIPTS))  # it imports its PyTorch peer as the command line does
-    try:
-        yield load_script("bench_runtime")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("bench_runtime")
 
 
 def records(schedule, rank: int) -> list[PassRecord]:
