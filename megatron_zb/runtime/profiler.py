@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from ..schedule import CostModel, Pass, PassKind, Schedule
 from ..schedule.actions import PARTS, spec
-from ..schedule.costs import ALL_TO_ALL as COST_ALL_TO_ALL
 from ..schedule.costs import PerStage
 from . import expert_comm
 
@@ -276,16 +275,13 @@ def agreed_cost_model(
 def all_to_all_times(totals: dict[tuple[str, int], tuple[float, int]], costs: CostModel) -> dict[str, PerStage]:
     """``t_a2a`` and ``t_a2a_b`` per stage: the mean all-to-all seconds of the F records and of the B (BW)
     ones, each at most the layers' part of the pass time that holds it (noise must not make the model invalid)."""
-    holders = {name: [holder] for name, holder in COST_ALL_TO_ALL.items()}
-    if costs.t_bw is not None:  # a BW holds its backward all-to-all too
-        holders["t_a2a_b"].append("t_bw")
     found = {}
     for kind in PARTS.values():
         (name,) = spec(kind).time  # t_a2a, t_a2a_b
         times = []
         for stage in range(costs.pp):
             total, count = totals.get((kind.value, stage), (0.0, 0))
-            held = min(costs.layer_time(holder, stage) for holder in holders[name])
+            held = min(costs.layer_time(holder, stage) for holder in costs.holders(name))
             times.append(max(0.0, min(total / count if count else 0.0, held)))
         found[name] = tuple(times)
     return found

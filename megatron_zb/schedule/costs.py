@@ -199,8 +199,7 @@ class CostModel:
 
     def _check_all_to_all(self) -> None:
         """T_a2a is inside t_f, t_a2a_b inside t_b, beside the ends' extras (which hold no MoE layer)."""
-        holders = [*ALL_TO_ALL.items(), *([("t_a2a_b", "t_bw")] if self.t_bw is not None else [])]
-        for a2a_name, name in holders:
+        for a2a_name, name in ((a, h) for a in ALL_TO_ALL for h in self.holders(a)):
             for stage, a2a in enumerate(getattr(self, a2a_name)):
                 layers = self.layer_time(name, stage)
                 if a2a > layers * (1 + 1e-9) + 1e-12:
@@ -211,6 +210,11 @@ class CostModel:
                         f"{_name(a2a_name)} of stage {stage} is {a2a:g}, more than {within} which includes it "
                         f"(the all-to-alls run inside the {name[2:].upper()} pass); give at most {layers:g}"
                     )
+
+    def holders(self, a2a_name: str) -> tuple[str, ...]:
+        """The pass times that contain an all-to-all time: t_f holds t_a2a; t_b, and t_bw where given, t_a2a_b."""
+        holder = ALL_TO_ALL[a2a_name]
+        return (holder, "t_bw") if holder == "t_b" and self.t_bw is not None else (holder,)
 
     def layer_time(self, name: str, stage: int) -> float:
         """The full stage's ``name`` time without what the model's ends add to it."""
